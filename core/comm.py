@@ -1,0 +1,244 @@
+"""Bucketed, asynchronous collectives over a :class:`~zspeed.core.partition.FlatGroup`.
+
+These free functions are the only communication the ZeRO stages and the
+inference streamer need: gather parameter shards into the full buffer, and
+reduce-scatter full gradients into shards. Thanks to the bucket-major layout
+(see ``[Note: bucket-major layout]`` in partition.py) each bucket is a single
+``all_gather_into_tensor`` / ``reduce_scatter_tensor`` on contiguous memory.
+
+[Note: comm streams]
+On CUDA every collective is issued from a dedicated stream owned by
+:class:`CommContext`. The stream first waits on the caller's current stream
+(so the inputs are ready), then issues the buckets, and records an event once
+they are done. :meth:`CollectiveHandle.wait` makes the *caller's* stream wait
+on that event; the host never blocks. Casting gradients to the reduce dtype
+and averaging also run on the comm stream, off the compute stream. On gloo the
+same code runs with the device handle's no-op streams and events, and where
+gloo lacks a collective (older torch) a fallback with the same result is used.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .partition import Bucket, FlatGroup
+from .topology import Topology
+
+
+class ReduceOp(enum.Enum):
+    SUM = "sum"
+    AVG = "avg"
+
+
+class CommContext:
+    """The streams collectives are issued on, for one topology."""
+
+    def __init__(self, topo: Topology):
+        self.topo = topo
+        dev = topo.device
+        # All-gathers get their own stream so the next unit's gather overlaps the current unit's compute.
+        self.gather_stream = dev.new_stream()
+        # Reduce-scatters get another so gradient reduction overlaps the rest of backward
+        # without queueing behind (or in front of) parameter prefetches.
+        self.reduce_stream = dev.new_stream()
+        self._fallback: dict[str, bool] = {}
+
+    def use_fallback(self, name: str) -> bool:
+        return self._fallback.get(name, False)
+
+    def mark_fallback(self, name: str) -> None:
+        self._fallback[name] = True
+
+
+@dataclass(eq=False)
+class CollectiveHandle:
+    """A collective in flight. ``wait()`` orders the caller's stream after it (idempotent)."""
+
+    topo: Topology
+    works: list = field(default_factory=list)
+    event: object | None = None
+    finalizers: list[Callable[[], None]] = field(default_factory=list)
+    done: bool = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        for w in self.works:
+            if w is not None:
+                w.wait()
+        if self.event is not None:
+            self.event.wait(self.topo.device.current_stream())
+        for fn in self.finalizers:
+            fn()
+        self.done = True
+
+    def is_completed(self) -> bool:
+        return self.done or all(w is None or w.is_completed() for w in self.works)
+
+
+def _buckets(group: FlatGroup, buckets: Sequence[int] | None) -> list[Bucket]:
+    if buckets is None:
+        return list(group.buckets)
+    return [group.buckets[i] for i in buckets]
+
+
+def _check_sizes(group: FlatGroup, *, full: torch.Tensor, shard: torch.Tensor) -> None:
+    if full.numel() != group.full_numel or shard.numel() != group.shard_numel:
+        raise ValueError(f"buffer sizes do not match the partition: full {full.numel()} vs {group.full_numel}, "
+                         f"shard {shard.numel()} vs {group.shard_numel} ({group})")
+
+
+def all_gather(group: FlatGroup, *, shard: torch.Tensor, full: torch.Tensor, topo: Topology,
+               comm: CommContext | None = None, buckets: Sequence[int] | None = None,
+               async_op: bool = True) -> CollectiveHandle:
+    """Gather every rank's shard of ``group`` into ``full`` (bucket by bucket).
+
+    ``shard`` and ``full`` must have the group's ``shard_numel`` / ``full_numel``
+    elements and the same dtype. With ``buckets`` only those buckets are
+    gathered. Returns a handle; with ``async_op=False`` it is already waited.
+    """
+    _check_sizes(group, full=full, shard=shard)
+    handle = CollectiveHandle(topo=topo)
+    chosen = _buckets(group, buckets)
+    if not topo.is_distributed:
+        for b in chosen:
+            group.bucket_full(full, b).copy_(group.bucket_shard(shard, b))
+        handle.done = True
+        return handle
+    comm = comm or CommContext(topo)
+    _issue(handle, comm, comm.gather_stream,
+           lambda: _gather_buckets(group, chosen, shard=shard, full=full, topo=topo, comm=comm, handle=handle))
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+def _gather_buckets(group, chosen, *, shard, full, topo, comm, handle) -> None:
+    pg = topo.dp_group
+    for b in chosen:
+        out, inp = group.bucket_full(full, b), group.bucket_shard(shard, b)
+        if comm.use_fallback("all_gather_into_tensor"):
+            handle.works.append(dist.all_gather(list(out.chunk(topo.world_size)), inp, group=pg, async_op=True))
+            continue
+        try:
+            handle.works.append(dist.all_gather_into_tensor(out, inp, group=pg, async_op=True))
+        except (RuntimeError, NotImplementedError):
+            comm.mark_fallback("all_gather_into_tensor")
+            handle.works.append(dist.all_gather(list(out.chunk(topo.world_size)), inp, group=pg, async_op=True))
+
+
+def reduce_scatter(group: FlatGroup, *, full: torch.Tensor, shard: torch.Tensor, topo: Topology,
+                   op: ReduceOp = ReduceOp.AVG, reduce_dtype: torch.dtype | None = None,
+                   accumulate: bool = False, comm: CommContext | None = None,
+                   buckets: Sequence[int] | None = None, async_op: bool = True) -> CollectiveHandle:
+    """Reduce ``full`` (this rank's full gradients) over ranks into this rank's ``shard``.
+
+    ``op`` is SUM or AVG (average over the data-parallel world). With
+    ``reduce_dtype`` the reduction runs in that dtype (e.g. fp32 for bf16
+    gradients) and the result is cast to ``shard``'s dtype. With
+    ``accumulate`` the result is added to ``shard`` instead of overwriting it
+    (gradient accumulation across micro-batches on sharded gradients).
+    ``full`` may be overwritten (it is the send buffer).
+    """
+    _check_sizes(group, full=full, shard=shard)
+    handle = CollectiveHandle(topo=topo)
+    chosen = _buckets(group, buckets)
+    comm = comm or (CommContext(topo) if topo.is_distributed else None)
+    stream = comm.reduce_stream if comm else topo.device.current_stream()
+    _issue(handle, comm, stream, lambda: _reduce_buckets(
+        group, chosen, full=full, shard=shard, topo=topo, comm=comm, handle=handle, op=op,
+        reduce_dtype=reduce_dtype or full.dtype, accumulate=accumulate))
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+def _reduce_buckets(group, chosen, *, full, shard, topo, comm, handle, op, reduce_dtype, accumulate) -> None:
+    world, rank = topo.world_size, topo.rank
+    for b in chosen:
+        send = group.bucket_full(full, b)
+        if send.dtype != reduce_dtype:
+            send = send.to(reduce_dtype)
+        if op is ReduceOp.AVG:
+            # Pre-divide: keeps bf16/fp16 sums in range, and gloo has no native AVG on older torch.
+            send.div_(world)
+        out = group.bucket_shard(shard, b)
+        recv = out if (out.dtype == reduce_dtype and not accumulate) else torch.empty_like(out, dtype=reduce_dtype)
+        if world > 1:
+            handle.works.append(_reduce_scatter_one(recv, send, topo=topo, comm=comm))
+        else:
+            recv.copy_(send)
+        if recv is not out:
+            handle.finalizers.append(_make_store(out, recv, accumulate))
+
+
+def _make_store(out: torch.Tensor, recv: torch.Tensor, accumulate: bool) -> Callable[[], None]:
+    def store() -> None:
+        if accumulate:
+            out.add_(recv.to(out.dtype))
+        else:
+            out.copy_(recv)
+    return store
+
+
+def _reduce_scatter_one(recv: torch.Tensor, send: torch.Tensor, *, topo: Topology, comm: CommContext):
+    pg = topo.dp_group
+    if not comm.use_fallback("reduce_scatter_tensor"):
+        try:
+            return dist.reduce_scatter_tensor(recv, send, op=dist.ReduceOp.SUM, group=pg, async_op=True)
+        except (RuntimeError, NotImplementedError):
+            comm.mark_fallback("reduce_scatter_tensor")
+    # Fallback for backends without reduce-scatter: all-reduce, then keep our chunk.
+    work = dist.all_reduce(send, op=dist.ReduceOp.SUM, group=pg, async_op=True)
+    work.wait()
+    recv.copy_(send.chunk(topo.world_size)[topo.rank])
+    return None
+
+
+def _issue(handle: CollectiveHandle, comm: CommContext | None, stream, body: Callable[[], None]) -> None:
+    """Run ``body`` on ``stream`` after the caller's stream; record the completion event."""
+    dev = handle.topo.device
+    if not dev.is_cuda:
+        body()
+        return
+    caller = dev.current_stream()
+    stream.wait_stream(caller)
+    with dev.use_stream(stream):
+        body()
+        # Make the comm stream wait for NCCL's internal stream, then mark the end of the collective.
+        for w in handle.works:
+            if w is not None:
+                w.wait()
+        handle.works = []
+        handle.event = dev.new_event()
+        handle.event.record(stream)
+    # Finalizers (casts/accumulation) also belong on the comm stream.
+    if handle.finalizers:
+        fns, handle.finalizers = handle.finalizers, []
+
+        def run_on_stream() -> None:
+            with dev.use_stream(stream):
+                stream.wait_event(handle.event)
+                for fn in fns:
+                    fn()
+                handle.event.record(stream)
+        run_on_stream()
+
+
+def all_reduce(tensor: torch.Tensor, *, topo: Topology, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+    """Synchronous all-reduce of a small tensor in place (norms, overflow flags)."""
+    if topo.is_distributed:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=topo.dp_group)
+        if op is ReduceOp.AVG:
+            tensor.div_(topo.world_size)
+    return tensor
+
+
+def all_reduce_max(tensor: torch.Tensor, *, topo: Topology) -> torch.Tensor:
+    if topo.is_distributed:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=topo.dp_group)
+    return tensor

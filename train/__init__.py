@@ -1,0 +1,1 @@
+"""zspeed.train"""
