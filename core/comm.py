@@ -29,6 +29,11 @@ from .partition import Bucket, FlatGroup
 from .topology import Topology
 
 
+# torch 2.13 renamed the single-tensor collectives; 2.11 (the GPU image) has only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class ReduceOp(enum.Enum):
     SUM = "sum"
     AVG = "avg"
@@ -125,7 +130,7 @@ def _gather_buckets(group, chosen, *, shard, full, topo, comm, handle) -> None:
             handle.works.append(dist.all_gather(list(out.chunk(topo.world_size)), inp, group=pg, async_op=True))
             continue
         try:
-            handle.works.append(dist.all_gather_into_tensor(out, inp, group=pg, async_op=True))
+            handle.works.append(_all_gather_single(out, inp, group=pg, async_op=True))
         except (RuntimeError, NotImplementedError):
             comm.mark_fallback("all_gather_into_tensor")
             handle.works.append(dist.all_gather(list(out.chunk(topo.world_size)), inp, group=pg, async_op=True))
@@ -189,7 +194,7 @@ def _reduce_scatter_one(recv: torch.Tensor, send: torch.Tensor, *, topo: Topolog
     pg = topo.dp_group
     if not comm.use_fallback("reduce_scatter_tensor"):
         try:
-            return dist.reduce_scatter_tensor(recv, send, op=dist.ReduceOp.SUM, group=pg, async_op=True)
+            return _reduce_scatter_single(recv, send, op=dist.ReduceOp.SUM, group=pg, async_op=True)
         except (RuntimeError, NotImplementedError):
             comm.mark_fallback("reduce_scatter_tensor")
     # Fallback for backends without reduce-scatter: all-reduce, then keep our chunk.
