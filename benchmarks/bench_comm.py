@@ -62,39 +62,46 @@ def main() -> None:
     total = args.mib << 20
     rows = []
 
-    # Plain collectives on one big contiguous buffer: the ceiling.
-    full = torch.randn(total // 2, device=dev.device).to(torch.bfloat16)
-    shard = torch.randn(total // 2 // n, device=dev.device).to(torch.bfloat16)
-    t_ag = timed(lambda: dist.all_gather_into_tensor(full, shard), topo, args.iters)
-    t_rs = timed(lambda: dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.SUM), topo, args.iters)
     busbw = lambda t, nbytes: nbytes * (n - 1) / n / t / 1e9  # noqa: E731
-    rows.append(dict(name="plain all_gather_into_tensor", bytes=total, s=t_ag, busbw=busbw(t_ag, total)))
-    rows.append(dict(name="plain reduce_scatter_tensor", bytes=total, s=t_rs, busbw=busbw(t_rs, total)))
-    del full, shard
-
-    comm = CommContext(topo)
     shapes = layer_shapes(total)
     metas = [torch.empty(s, dtype=torch.bfloat16, device="meta") for s in shapes]
+    total = sum(2 * m.numel() for m in metas)  # whole layers: compare plain and bucketed on the same bytes
+
+    # Plain collectives on one big contiguous buffer of the same size: the ceiling.
+    full = torch.randn(total // 2 // n * n, device=dev.device).to(torch.bfloat16)
+    shard = torch.randn(full.numel() // n, device=dev.device).to(torch.bfloat16)
+    t_ag = timed(lambda: dist.all_gather_into_tensor(full, shard), topo, args.iters)
+    t_rs = timed(lambda: dist.reduce_scatter_tensor(shard, full, op=dist.ReduceOp.SUM), topo, args.iters)
+    plain = {"ag": busbw(t_ag, full.numel() * 2), "rs": busbw(t_rs, full.numel() * 2)}
+    rows.append(dict(name="plain all_gather_into_tensor", bytes=full.numel() * 2, s=t_ag, busbw=plain["ag"]))
+    rows.append(dict(name="plain reduce_scatter_tensor", bytes=full.numel() * 2, s=t_rs, busbw=plain["rs"]))
+    del full, shard
+
     for bucket_mib in (25, 64, 200):
         part = FlatPartition.build(metas, world_size=n, bucket_bytes=bucket_mib << 20)
         group = part.groups[torch.bfloat16]
         nbytes = group.full_numel * 2
         g_full = torch.randn(group.full_numel, device=dev.device).to(torch.bfloat16)
         g_shard = torch.randn(group.shard_numel, device=dev.device).to(torch.bfloat16)
-        t = timed(lambda: all_gather(group, shard=g_shard, full=g_full, topo=topo, comm=comm).wait(), topo, args.iters)
-        rows.append(dict(name=f"zspeed all_gather, {len(group.buckets)} buckets of ≤{bucket_mib} MiB",
-                         bytes=nbytes, s=t, busbw=busbw(t, nbytes), vs_plain=busbw(t, nbytes) / rows[0]["busbw"]))
-        t = timed(lambda: reduce_scatter(group, full=g_full, shard=g_shard, topo=topo, comm=comm,
-                                         op=ReduceOp.SUM).wait(), topo, args.iters)
-        rows.append(dict(name=f"zspeed reduce_scatter bf16, {len(group.buckets)} buckets of ≤{bucket_mib} MiB",
-                         bytes=nbytes, s=t, busbw=busbw(t, nbytes), vs_plain=busbw(t, nbytes) / rows[1]["busbw"]))
+        tag = f"{len(group.buckets)} buckets of <={bucket_mib} MiB"
+        for coalesce in (True, False):
+            comm = CommContext(topo, coalesce=coalesce)
+            how = "coalesced" if coalesce else "one call per bucket"
+            t = timed(lambda: all_gather(group, shard=g_shard, full=g_full, topo=topo, comm=comm).wait(),
+                      topo, args.iters)
+            rows.append(dict(name=f"zspeed all_gather, {tag}, {how}", bytes=nbytes, s=t, busbw=busbw(t, nbytes),
+                             vs_plain=busbw(t, nbytes) / plain["ag"]))
+            t = timed(lambda: reduce_scatter(group, full=g_full, shard=g_shard, topo=topo, comm=comm,
+                                             op=ReduceOp.SUM).wait(), topo, args.iters)
+            rows.append(dict(name=f"zspeed reduce_scatter bf16, {tag}, {how}", bytes=nbytes, s=t,
+                             busbw=busbw(t, nbytes), vs_plain=busbw(t, nbytes) / plain["rs"]))
         del g_full, g_shard
 
     if topo.is_main:
-        print(f"\n{'collective':58s} {'MiB':>6s} {'ms':>8s} {'busbw GB/s':>11s} {'vs plain':>9s}")
+        print(f"\n{'collective':72s} {'MiB':>6s} {'ms':>8s} {'busbw GB/s':>11s} {'vs plain':>9s}")
         for r in rows:
             vs = f"{r['vs_plain']:.3f}" if "vs_plain" in r else "1.000"
-            print(f"{r['name']:58s} {r['bytes'] / 2**20:6.0f} {r['s'] * 1e3:8.2f} {r['busbw']:11.1f} {vs:>9s}")
+            print(f"{r['name']:72s} {r['bytes'] / 2**20:6.0f} {r['s'] * 1e3:8.2f} {r['busbw']:11.1f} {vs:>9s}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(world_size=n, device=torch.cuda.get_device_name(), rows=rows), f, indent=1)

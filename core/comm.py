@@ -18,12 +18,14 @@ gloo lacks a collective (older torch) a fallback with the same result is used.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _coalescing_manager
 
 from .partition import Bucket, FlatGroup
 from .topology import Topology
@@ -39,11 +41,21 @@ class ReduceOp(enum.Enum):
     AVG = "avg"
 
 
+# [Note: coalescing]
+# Buckets keep every message bounded (and let ZeRO-3 gather one unit at a time),
+# but back-to-back NCCL calls each pay a launch and run at their own message
+# size's bandwidth. When one call covers several buckets we issue them inside
+# torch's coalescing manager, so NCCL runs them as one grouped operation.
+
+
 class CommContext:
     """The streams collectives are issued on, for one topology."""
 
-    def __init__(self, topo: Topology):
+    def __init__(self, topo: Topology, *, coalesce: bool = True):
         self.topo = topo
+        # Issue the buckets of one call as one coalesced group (one NCCL launch): see [Note: coalescing].
+        # (gloo cannot coalesce; on the CPU there is no launch cost to save anyway.)
+        self.coalesce = coalesce and topo.device.is_cuda
         dev = topo.device
         # All-gathers get their own stream so the next unit's gather overlaps the current unit's compute.
         self.gather_stream = dev.new_stream()
@@ -51,6 +63,23 @@ class CommContext:
         # without queueing behind (or in front of) parameter prefetches.
         self.reduce_stream = dev.new_stream()
         self._fallback: dict[str, bool] = {}
+        if topo.is_distributed and not dev.is_cuda:
+            self._probe_gloo()
+
+    def _probe_gloo(self) -> None:
+        """Find, once and on every rank alike, which single-tensor collectives this gloo build lacks."""
+        world = self.topo.world_size
+        probes = {
+            "all_gather_into_tensor": lambda: _all_gather_single(torch.zeros(world), torch.zeros(1),
+                                                                 group=self.topo.dp_group),
+            "reduce_scatter_tensor": lambda: _reduce_scatter_single(torch.zeros(1), torch.zeros(world),
+                                                                    group=self.topo.dp_group),
+        }
+        for name, probe in probes.items():
+            try:
+                probe()
+            except (RuntimeError, NotImplementedError):
+                self.mark_fallback(name)
 
     def use_fallback(self, name: str) -> bool:
         return self._fallback.get(name, False)
@@ -82,7 +111,7 @@ class CollectiveHandle:
         self.done = True
 
     def is_completed(self) -> bool:
-        return self.done or all(w is None or w.is_completed() for w in self.works)
+        return self.done or all(w is None or getattr(w, "is_completed", lambda: False)() for w in self.works)
 
 
 def _buckets(group: FlatGroup, buckets: Sequence[int] | None) -> list[Bucket]:
@@ -122,18 +151,31 @@ def all_gather(group: FlatGroup, *, shard: torch.Tensor, full: torch.Tensor, top
     return handle
 
 
+@contextlib.contextmanager
+def _maybe_coalesced(handle: "CollectiveHandle", comm: CommContext, n_ops: int, *, fallback: str):
+    """Group the collectives issued inside into one (see [Note: coalescing]); record its work."""
+    if n_ops < 2 or not comm.coalesce or comm.use_fallback(fallback):
+        yield
+        return
+    dev = comm.topo.device.device
+    with _coalescing_manager(group=comm.topo.dp_group, device=dev, async_ops=True) as cm:
+        yield
+    handle.works.append(cm)
+
+
 def _gather_buckets(group, chosen, *, shard, full, topo, comm, handle) -> None:
+    with _maybe_coalesced(handle, comm, len(chosen), fallback="all_gather_into_tensor"):
+        _gather_each(group, chosen, shard=shard, full=full, topo=topo, comm=comm, handle=handle)
+
+
+def _gather_each(group, chosen, *, shard, full, topo, comm, handle) -> None:
     pg = topo.dp_group
     for b in chosen:
         out, inp = group.bucket_full(full, b), group.bucket_shard(shard, b)
         if comm.use_fallback("all_gather_into_tensor"):
             handle.works.append(dist.all_gather(list(out.chunk(topo.world_size)), inp, group=pg, async_op=True))
-            continue
-        try:
+        else:
             handle.works.append(_all_gather_single(out, inp, group=pg, async_op=True))
-        except (RuntimeError, NotImplementedError):
-            comm.mark_fallback("all_gather_into_tensor")
-            handle.works.append(dist.all_gather(list(out.chunk(topo.world_size)), inp, group=pg, async_op=True))
 
 
 def reduce_scatter(group: FlatGroup, *, full: torch.Tensor, shard: torch.Tensor, topo: Topology,
@@ -163,7 +205,17 @@ def reduce_scatter(group: FlatGroup, *, full: torch.Tensor, shard: torch.Tensor,
 
 
 def _reduce_buckets(group, chosen, *, full, shard, topo, comm, handle, op, reduce_dtype, accumulate) -> None:
-    world, rank = topo.world_size, topo.rank
+    if comm is None:
+        _reduce_each(group, chosen, full=full, shard=shard, topo=topo, comm=comm, handle=handle, op=op,
+                     reduce_dtype=reduce_dtype, accumulate=accumulate)
+        return
+    with _maybe_coalesced(handle, comm, len(chosen), fallback="reduce_scatter_tensor"):
+        _reduce_each(group, chosen, full=full, shard=shard, topo=topo, comm=comm, handle=handle, op=op,
+                     reduce_dtype=reduce_dtype, accumulate=accumulate)
+
+
+def _reduce_each(group, chosen, *, full, shard, topo, comm, handle, op, reduce_dtype, accumulate) -> None:
+    world = topo.world_size
     for b in chosen:
         send = group.bucket_full(full, b)
         if send.dtype != reduce_dtype:
@@ -193,10 +245,7 @@ def _make_store(out: torch.Tensor, recv: torch.Tensor, accumulate: bool) -> Call
 def _reduce_scatter_one(recv: torch.Tensor, send: torch.Tensor, *, topo: Topology, comm: CommContext):
     pg = topo.dp_group
     if not comm.use_fallback("reduce_scatter_tensor"):
-        try:
-            return _reduce_scatter_single(recv, send, op=dist.ReduceOp.SUM, group=pg, async_op=True)
-        except (RuntimeError, NotImplementedError):
-            comm.mark_fallback("reduce_scatter_tensor")
+        return _reduce_scatter_single(recv, send, op=dist.ReduceOp.SUM, group=pg, async_op=True)
     # Fallback for backends without reduce-scatter: all-reduce, then keep our chunk.
     work = dist.all_reduce(send, op=dist.ReduceOp.SUM, group=pg, async_op=True)
     work.wait()

@@ -8,6 +8,7 @@ no other module of zspeed calls ``torch.cuda`` directly.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -28,10 +29,18 @@ class _CpuStream:
 
 
 class _CpuEvent:
-    """Stands in for a device event on the CPU: always complete."""
+    """Stands in for a device event on the CPU: always complete.
+
+    ``record`` notes the host time, so :meth:`elapsed_time` measures the
+    (synchronous) CPU work between two events, like a timing CUDA event.
+    """
 
     def record(self, stream: object | None = None) -> None:
-        pass
+        self.recorded_at = time.perf_counter()
+
+    def elapsed_time(self, end: "_CpuEvent") -> float:
+        """Milliseconds from this event's record to ``end``'s."""
+        return (end.recorded_at - self.recorded_at) * 1000.0
 
     def wait(self, stream: object | None = None) -> None:
         pass
@@ -127,6 +136,11 @@ class DeviceHandle:
     def synchronize(self) -> None:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
+
+    def elapsed_seconds(self, start, end) -> float:
+        """Seconds between two events made with ``new_event(timing=True)``; waits for ``end``."""
+        end.synchronize()
+        return start.elapsed_time(end) / 1000.0
 
     def set_current(self) -> None:
         if self.is_cuda:
