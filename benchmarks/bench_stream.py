@@ -66,9 +66,11 @@ def raw_h2d(dev: DeviceHandle, nbytes: int = 1 << 30) -> float:
 def stream_pass(streamer: Streamer, dev: DeviceHandle, compute=None, passes: int = 3) -> tuple[float, float]:
     """(seconds per pass, GB/s) over every unit, after one warm-up pass.
 
-    Bandwidth counts the bytes the streamer really loaded during the timed
-    passes (its stats), not units x passes: a unit still resident from the
-    previous pass is not moved again.
+    Streamers here are built with ``cyclic=False``: nothing is prefetched past a
+    pass's last unit, so every byte a pass moves is moved between its two
+    synchronisations (with wrap-around prefetch, the next pass's first K units
+    would load in the untimed gap between passes and inflate the figure).
+    Bandwidth counts the bytes the streamer really loaded (its stats).
     """
     times = []
     moved = 0
@@ -162,13 +164,13 @@ def main() -> None:
         unit_bytes = sum(cpu_store.meta(k).nbytes for k in units[0].tensor_keys)
         total = unit_bytes * len(units)
         for k in (2, 3):
-            with Streamer(units=units, store=cpu_store, device=dev, config=StreamerConfig(window=k)) as s:
+            with Streamer(units=units, store=cpu_store, device=dev, config=StreamerConfig(window=k, cyclic=False)) as s:
                 if k == 2:
                     check_bytes(s, cpu_store)
                 _, rows[f"cpu_stream_k{k}_gbps"] = stream_pass(s, dev)
         transfer = total / rows["cpu_stream_k2_gbps"] / 1e9 / len(units)
         compute = make_compute(dev, 1.3 * transfer)
-        with Streamer(units=units, store=cpu_store, device=dev, config=StreamerConfig(window=2)) as s:
+        with Streamer(units=units, store=cpu_store, device=dev, config=StreamerConfig(window=2, cyclic=False)) as s:
             t_transfer, _ = stream_pass(s, dev)
             t_both, _ = stream_pass(s, dev, compute)
             resident = s.acquire(0)
@@ -190,7 +192,7 @@ def main() -> None:
         files = sorted(os.path.join(args.disk_dir, f) for f in os.listdir(args.disk_dir)
                        if os.path.isfile(os.path.join(args.disk_dir, f)))
         rows["dd_direct_gbps"] = dd_direct(files)
-        with Streamer(units=units, store=disk, device=dev, config=StreamerConfig(window=3)) as s:
+        with Streamer(units=units, store=disk, device=dev, config=StreamerConfig(window=3, cyclic=False)) as s:
             check_bytes(s, disk)
             _, rows["disk_stream_gbps"] = stream_pass(s, dev, passes=2)
             rows["disk_stream_stats_stall_s"] = s.stats.stall_seconds

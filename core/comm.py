@@ -158,8 +158,11 @@ def _maybe_coalesced(handle: "CollectiveHandle", comm: CommContext, n_ops: int, 
         yield
         return
     dev = comm.topo.device.device
+    first = len(handle.works)
     with _coalescing_manager(group=comm.topo.dp_group, device=dev, async_ops=True) as cm:
         yield
+    # Inside the manager each call returns a placeholder work that must not be waited; the group's is cm.
+    del handle.works[first:]
     handle.works.append(cm)
 
 

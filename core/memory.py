@@ -14,6 +14,10 @@ In fp32 there is no master copy: 4Ψ parameters, 4Ψ gradients, 8Ψ Adam state.
 SGD with momentum keeps one state tensor (plus the fp32 master in mixed
 precision), plain SGD none. Offloaded state lives in host memory, not on the
 device; :func:`zero_memory_per_rank` reports both.
+
+At stage 3 in mixed precision the 16-bit parameter shard duplicates the fp32
+master; an implementation may instead cast the master when it gathers (FSDP2
+and zspeed do), which leaves 14Ψ/N: ``separate_param_shard=False``.
 """
 from __future__ import annotations
 
@@ -63,7 +67,8 @@ class MemoryEstimate:
 def zero_memory_per_rank(num_params: int, *, stage: int, world_size: int,
                          precision: Precision | str = Precision.BF16,
                          optimizer: OptimizerKind | str = OptimizerKind.ADAM,
-                         offload_optimizer: bool = False, offload_param: bool = False) -> MemoryEstimate:
+                         offload_optimizer: bool = False, offload_param: bool = False,
+                         separate_param_shard: bool = True) -> MemoryEstimate:
     """Model-state bytes one rank holds under ZeRO ``stage`` (see ``[Note: the ZeRO formulas]``).
 
     Exact shards are fractional here; real partitions add a little padding
@@ -80,6 +85,8 @@ def zero_memory_per_rank(num_params: int, *, stage: int, world_size: int,
     p, g, o = prec.param_bytes * num_params, prec.param_bytes * num_params, (master + opt.state_bytes) * num_params
     n = world_size
     params = p / n if stage >= 3 else p
+    if stage == 3 and master and not separate_param_shard:
+        params = 0  # the gathered 16-bit copy is cast from the fp32 master on demand
     grads = g / n if stage >= 2 else g
     optim = o / n if stage >= 1 else o
     host = (optim if offload_optimizer else 0) + (params if offload_param else 0)

@@ -60,3 +60,11 @@ def test_partitioned_state_matches_formula(stage):
     for held, numel, world in run_distributed(_zero_state_bytes, 2, stage, shapes):
         est: MemoryEstimate = zero_memory_per_rank(numel, stage=stage, world_size=world)
         assert est.total <= held <= est.total * 1.05 + 16 * world * 16  # padding only
+
+
+def test_stage3_without_a_separate_16bit_shard():
+    est = zero_memory_per_rank(PSI, stage=3, world_size=4, separate_param_shard=False)
+    assert (est.params, est.grads, est.optimizer) == (0, PSI // 2, 3 * PSI)
+    # fp32 training has no master to cast from: the parameters are the shard
+    assert zero_memory_per_rank(PSI, stage=3, world_size=4, precision="fp32",
+                                separate_param_shard=False).params == PSI
