@@ -1,0 +1,214 @@
+"""``zserve``: serve a model over gRPC, query a server, or write a random-weight checkpoint.
+
+    zserve --model DIR|HF_ID|PRESET [--random-weights] --offload none|cpu|nvme [--nvme-path P] [--window K]
+           [--host 127.0.0.1] [--port 50051] [--metrics-port P] [--tls-cert F --tls-key F] [--auth-token T]
+    zserve query [--host H] --port P [--stream] [--max-new-tokens N] "prompt"
+    zserve synth --arch llama-70b --out DIR [--num-layers N]
+
+The server drains on SIGTERM (or Ctrl-C): it stops taking requests, finishes
+those it has, and exits 0. The bearer token can also come from the
+``ZSERVE_AUTH_TOKEN`` environment variable (kept out of ``ps``).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+# Before torch loads OpenMP: idle OpenMP workers sleep instead of spinning, so on a
+# CPU-only host the gRPC and engine threads are not starved of cores between
+# operations (with spinning, a 2-core host served ~50x slower).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+TOKEN_ENV = "ZSERVE_AUTH_TOKEN"
+_SUBCOMMANDS = ("serve", "query", "synth")
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="zserve", description="Serve a causal LM over gRPC (zspeed.serve.v1).")
+    m = p.add_argument_group("model")
+    m.add_argument("--model", required=True, help="HF folder, zcompress folder, HF id in the local cache, or a "
+                   "preset (tiny, llama-8b, llama-70b) with --random-weights")
+    m.add_argument("--random-weights", action="store_true", help="serve random weights of a preset's shape")
+    m.add_argument("--random-weights-dir", help="where to write them (default ~/.cache/zspeed/random/...)")
+    m.add_argument("--num-layers", type=int, help="decoder layers of a preset (default: the preset's)")
+    m.add_argument("--offload", choices=("none", "cpu", "nvme"), default="none",
+                   help="where layer weights live: on the device, pinned CPU memory, or disk (streamed per step)")
+    m.add_argument("--nvme-path", help="folder for --offload nvme layer files")
+    m.add_argument("--window", type=int, default=2, help="device slots layers stream through (default 2)")
+    m.add_argument("--dtype", default="auto", help="weights and activations dtype (default: the checkpoint's)")
+    m.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda:N")
+    n = p.add_argument_group("network and security")
+    n.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    n.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
+    n.add_argument("--metrics-host", default="127.0.0.1")
+    n.add_argument("--metrics-port", type=int, help="Prometheus metrics port (0 picks one; default: none)")
+    n.add_argument("--tls-cert", help="PEM certificate chain (with --tls-key)")
+    n.add_argument("--tls-key", help="PEM private key")
+    n.add_argument("--auth-token", default=os.environ.get(TOKEN_ENV),
+                   help=f"require 'authorization: Bearer TOKEN' (default: ${TOKEN_ENV})")
+    b = p.add_argument_group("batching and limits")
+    b.add_argument("--max-batch-size", type=int, default=8)
+    b.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
+    b.add_argument("--max-queue-size", type=int, default=64, help="waiting requests; beyond: RESOURCE_EXHAUSTED")
+    b.add_argument("--max-queue-delay-ms", type=float, default=0.0, help="let a batch form for this long")
+    b.add_argument("--max-model-len", type=int, help="prompt + output tokens (default: model's, at most 4096)")
+    b.add_argument("--max-prompt-tokens", type=int, help="default: max-model-len - 1")
+    b.add_argument("--max-new-tokens", type=int, default=2048, help="cap on a request's max_new_tokens")
+    b.add_argument("--default-max-new-tokens", type=int, default=64, help="when a request gives 0")
+    b.add_argument("--max-message-bytes", type=int, default=4 << 20)
+    b.add_argument("--drain-timeout", type=float, default=300.0, help="seconds SIGTERM waits for requests")
+    o = p.add_argument_group("output")
+    o.add_argument("--no-progress", action="store_true", help="no progress bars")
+    o.add_argument("--log-level", default="INFO")
+    return p
+
+
+def _query_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="zserve query", description="Send one prompt to a zserve server.")
+    p.add_argument("prompt", nargs="?", help="the prompt text (or ids with --token-ids)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--token", default=os.environ.get(TOKEN_ENV), help=f"bearer token (default: ${TOKEN_ENV})")
+    p.add_argument("--tls-ca", help="PEM file of the CA (or self-signed certificate) to trust; implies TLS")
+    p.add_argument("--tls", action="store_true", help="TLS with the system's root certificates")
+    p.add_argument("--server-name", help="name to check the certificate against")
+    p.add_argument("--token-ids", action="store_true", help="the prompt is token ids, e.g. '1 2 3'")
+    p.add_argument("--max-new-tokens", type=int, default=0, help="0: the server's default")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    p.add_argument("--show-tokens", action="store_true", help="also print the generated token ids")
+    p.add_argument("--info", action="store_true", help="print the server's model info and exit")
+    p.add_argument("--timeout", type=float, default=600.0)
+    return p
+
+
+def _synth_parser() -> argparse.ArgumentParser:
+    from .presets import PRESETS
+
+    p = argparse.ArgumentParser(prog="zserve synth", description="Write a random-weight checkpoint of a preset.")
+    p.add_argument("--arch", required=True, choices=sorted(PRESETS))
+    p.add_argument("--out", required=True)
+    p.add_argument("--num-layers", type=int)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv.pop(0) if argv and argv[0] in _SUBCOMMANDS else "serve"
+    try:
+        if command == "query":
+            return cmd_query(_query_parser().parse_args(argv))
+        if command == "synth":
+            return cmd_synth(_synth_parser().parse_args(argv))
+        return cmd_serve(_serve_parser().parse_args(argv))
+    except (ValueError, OSError) as e:
+        print(f"zserve {command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s zserve %(levelname)s %(message)s")
+    from .model_loader import LoadConfig, load_model
+    from .server import ServerConfig, create_server
+
+    server_config = ServerConfig(
+        host=args.host, port=args.port, metrics_host=args.metrics_host, metrics_port=args.metrics_port,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, auth_token=args.auth_token or None,
+        max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_queue_size=args.max_queue_size, max_queue_delay_ms=args.max_queue_delay_ms,
+        max_model_len=args.max_model_len, max_prompt_tokens=args.max_prompt_tokens,
+        max_new_tokens=args.max_new_tokens, default_max_new_tokens=args.default_max_new_tokens,
+        max_message_bytes=args.max_message_bytes, drain_timeout_s=args.drain_timeout,
+    )
+    load_config = LoadConfig(
+        model=args.model, random_weights=args.random_weights, random_weights_dir=args.random_weights_dir,
+        num_layers=args.num_layers, offload=args.offload, nvme_path=args.nvme_path, window=args.window,
+        dtype=args.dtype, device=args.device, progress=not args.no_progress,
+    )
+    from zspeed.core.store_config import StoreError
+
+    try:
+        model = load_model(load_config)
+    except StoreError as e:
+        raise OSError(f"weight store: {e}") from None
+    # Until here SIGTERM simply ends the process: nothing to drain. From here on it drains;
+    # the handler is in place before the port opens.
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    try:
+        server = create_server(model, server_config).start()
+    except BaseException:
+        model.close()
+        raise
+    # The kernel may deliver SIGTERM to any thread; Python runs the handler on the main
+    # thread only when it wakes, so wait in short slices rather than block for good.
+    while not stop.wait(0.1):
+        pass
+    return 0 if server.drain() else 1
+
+
+def cmd_query(args: argparse.Namespace) -> int:
+    import grpc
+
+    from .client import Client
+
+    try:
+        return _query(args, Client)
+    except grpc.RpcError as e:
+        print(f"zserve query: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+
+
+def _query(args: argparse.Namespace, Client) -> int:
+    client = Client(f"{args.host}:{args.port}", token=args.token, tls=args.tls, root_certificates=args.tls_ca,
+                    server_name=args.server_name, timeout=args.timeout)
+    with client:
+        if args.info:
+            print(client.model_info())
+            return 0
+        if args.prompt is None:
+            raise ValueError("give a prompt (or --info)")
+        prompt = [int(t) for t in args.prompt.replace(",", " ").split()] if args.token_ids else args.prompt
+        options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                       top_p=args.top_p, seed=args.seed, stop=args.stop)
+        pieces = client.generate_stream(prompt, **options) if args.stream else [client.generate(prompt, **options)]
+        tokens: list[int] = []
+        for piece in pieces:
+            tokens += piece.token_ids
+            print(piece.text, end="", flush=True)
+            last = piece
+        print()
+        if args.show_tokens:
+            print(" ".join(map(str, tokens)))
+        print(f"[{last.finish_reason}: {last.prompt_tokens} prompt + {last.completion_tokens} generated tokens]",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_synth(args: argparse.Namespace) -> int:
+    import torch
+
+    from .presets import write_random_checkpoint
+
+    dtype = getattr(torch, args.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"--dtype {args.dtype!r} is not a torch dtype")
+    out = write_random_checkpoint(args.arch, args.out, num_layers=args.num_layers, dtype=dtype, seed=args.seed)
+    print(f"wrote a random {args.arch} checkpoint to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""The model runner: runs one scheduler step on the device, layer by layer.
+
+    plan      pack the step's prefill chunks and decode tokens into one row of tokens
+    embed     token embeddings and rotary tables for that row
+    layers    for each decoder layer: acquire (resident or streamed in), run on the
+              whole batch, release (the next layers stream in meanwhile)
+    sample    final norm and output head on the rows that get a token, then sample
+
+The runner is the only serving component that touches torch; it implements
+:class:`~zspeed.serve.engine_loop.Runner` and is called from the engine thread
+only. Packing and attention: [Note: packed batch] in ``attention.py``; cache:
+[Note: slot cache] in ``kv_cache.py``.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from .attention import LayerAttention, Segment
+from .kv_cache import KVCache, KVCacheConfig
+from .model_loader import LoadedModel
+from .request import SamplingParams
+from .sampling import Sampler
+from .scheduler import RunnerOutput, SchedulerOutput
+
+log = logging.getLogger("zspeed.serve")
+
+
+class RunnerObserver(Protocol):
+    """Told the runner's figures after each step (:class:`~zspeed.serve.metrics.ServeMetrics` is one)."""
+
+    def on_weights_streamed(self, num_bytes: int, stall_seconds: float = 0.0) -> None: ...
+
+    def set_device_memory(self, num_bytes: int, *, kind: str = "allocated") -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """One step packed into a row of tokens (see [Note: packed batch])."""
+
+    token_ids: tuple[int, ...]
+    positions: tuple[int, ...]
+    segments: tuple[Segment, ...]
+    sampled: tuple[tuple[int, SamplingParams], ...]  # (seq_id, params) per row of ``sample_rows``
+    sample_rows: tuple[int, ...]
+
+
+class ModelRunner:
+    """Runs scheduler steps for a :class:`LoadedModel`.
+
+    Args:
+        model: what :func:`~zspeed.serve.model_loader.load_model` returned.
+        max_batch_size: sequences at once (KV slots); the scheduler's ``max_batch_size``.
+        max_model_len: prompt + output tokens of one sequence; the scheduler's ``max_model_len``.
+        observer: told streamed bytes, stalls and device memory after each step.
+    """
+
+    def __init__(self, model: LoadedModel, *, max_batch_size: int, max_model_len: int,
+                 observer: RunnerObserver | None = None) -> None:
+        desc = model.description
+        limit = min(desc.max_position_embeddings, desc.sliding_window or desc.max_position_embeddings)
+        if max_model_len > limit:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's {limit} positions"
+                             + (" (its sliding window)" if desc.sliding_window == limit else ""))
+        self.model = model
+        self.device = model.device
+        self.max_model_len = max_model_len
+        self.cache = KVCache(KVCacheConfig(num_layers=desc.num_layers, num_kv_heads=desc.num_kv_heads,
+                                           head_dim=desc.head_dim, slots=max_batch_size, max_len=max_model_len,
+                                           dtype=desc.dtype), device=model.device)
+        self.sampler = Sampler(model.device.device)
+        self._observer = observer
+        log.info("KV cache: %d slots x %d tokens, %.3g GB on %s", max_batch_size, max_model_len,
+                 self.cache.config.nbytes / 1e9, self.device)
+
+    def kv_capacity(self) -> int:
+        """For the scheduler's ``kv_capacity``: entries of all slots together."""
+        return self.cache.capacity_tokens
+
+    # -- Runner protocol -------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, batch: SchedulerOutput) -> RunnerOutput:
+        plan, failed = self.plan(batch)
+        tokens: dict[int, list[int]] = {}
+        if plan.segments:
+            hidden = self._forward(plan)
+            if plan.sampled:
+                logits = self.model.lm_head(self.model.norm(hidden)).float()  # (S, vocab)
+                tokens = self.sampler.sample(logits, plan.sampled)
+            self._report()
+        return RunnerOutput(tokens, failed)
+
+    def free(self, seq_id: int) -> None:
+        self.cache.free(seq_id)
+        self.sampler.free(seq_id)
+
+    def close(self) -> None:
+        self.model.close()
+
+    # -- the step ----------------------------------------------------------------
+    def plan(self, batch: SchedulerOutput) -> tuple[StepPlan, dict[int, str]]:
+        """Packs the batch; sequences with token ids outside the vocabulary fail alone."""
+        ids: list[int] = []
+        positions: list[int] = []
+        segments: list[Segment] = []
+        sampled: list[tuple[int, SamplingParams]] = []
+        rows: list[int] = []
+        failed: dict[int, str] = {}
+        vocab = self.model.description.vocab_size
+        work = [(c.seq_id, c.token_ids, c.start, c.is_last, c.sampling) for c in batch.prefills]
+        work += [(d.seq_id, (d.token_id,), d.position, True, d.sampling) for d in batch.decodes]
+        for seq_id, tokens, start, samples, params in work:
+            bad = next((t for t in tokens if t >= vocab), None)
+            if bad is not None:
+                failed[seq_id] = f"token id {bad} is outside the vocabulary (size {vocab})"
+                continue
+            slot = self.cache.allocate(seq_id) if start == 0 else self.cache.slot(seq_id)
+            segments.append(Segment(slot=slot, start=start, length=len(tokens), offset=len(ids)))
+            ids += tokens
+            positions += range(start, start + len(tokens))
+            if samples:
+                sampled.append((seq_id, params))
+                rows.append(len(ids) - 1)
+        plan = StepPlan(tuple(ids), tuple(positions), tuple(segments), tuple(sampled), tuple(rows))
+        return plan, failed
+
+    def _forward(self, plan: StepPlan) -> torch.Tensor:
+        """Hidden states ``(S, hidden)`` of the rows that are sampled."""
+        dev = self.device.device
+        ids = torch.tensor(plan.token_ids, dtype=torch.long, device=dev)[None]  # (1, N)
+        positions = torch.tensor(plan.positions, dtype=torch.long, device=dev)[None]  # (1, N)
+        hidden = self.model.embed(ids)  # (1, N, hidden)
+        rotary = self.model.rotary(hidden, positions)  # cos, sin: (1, N, head_dim) each
+        layers = self.model.layers
+        for i in range(len(layers)):
+            layer = layers.acquire(i)
+            try:
+                out = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=rotary,
+                            zspeed=LayerAttention(self.cache, i, plan.segments))
+                hidden = out[0] if isinstance(out, tuple) else out  # transformers < 5 returns a tuple
+            finally:
+                layers.release(i)
+        rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=dev)
+        return hidden[0].index_select(0, rows)  # (S, hidden)
+
+    def _report(self) -> None:
+        if self._observer is None:
+            return
+        num_bytes, stall = self.model.layers.take_stream_stats()
+        if num_bytes or stall:
+            self._observer.on_weights_streamed(num_bytes, stall)
+        self._observer.set_device_memory(self.device.memory_allocated(), kind="allocated")

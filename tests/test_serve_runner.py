@@ -1,0 +1,246 @@
+"""The model runner on the CPU against Hugging Face: loading, offload, batching, sampling, KV cache."""
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from tests.serve_cases import NEW_TOKENS, PROMPTS, Reference, build_tiny_model, load_tiny
+from zspeed.serve.checkpoint import CheckpointError
+from zspeed.serve.engine_loop import EngineLoop
+from zspeed.serve.kv_cache import KVCache, KVCacheConfig, KVCacheFullError
+from zspeed.serve.model_loader import LoadConfig, Offload, load_model
+from zspeed.serve.presets import preset_config, write_random_checkpoint
+from zspeed.serve.request import Request, SamplingParams
+from zspeed.serve.runner import ModelRunner
+from zspeed.serve.sampling import sampling_probs, top_k_filter, top_p_filter
+from zspeed.serve.scheduler import DecodeItem, PrefillChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from zspeed.serve.sequence import SequenceStatus
+from zspeed.core.device import DeviceHandle
+
+
+def make_engine(model, *, max_batch_size=4, budget=16, max_model_len=256) -> tuple[EngineLoop, ModelRunner]:
+    runner = ModelRunner(model, max_batch_size=max_batch_size, max_model_len=max_model_len)
+    config = SchedulerConfig(max_batch_size=max_batch_size, max_num_batched_tokens=budget, max_model_len=max_model_len,
+                             eos_token_ids=frozenset(model.description.eos_token_ids))
+    return EngineLoop(Scheduler(config, kv_capacity=runner.kv_capacity), runner), runner
+
+
+def generate_all(engine: EngineLoop, prompts, *, max_new_tokens=NEW_TOKENS, **sampling):
+    handles = [engine.submit(Request(request_id=f"r{i}", prompt_token_ids=p,
+                                     sampling=SamplingParams(max_new_tokens=max_new_tokens, **sampling)))
+               for i, p in enumerate(prompts)]
+    return [h.result(timeout=120) for h in handles]
+
+
+def test_one_request_matches_hf_generate(tiny_dir, reference):
+    model = load_tiny(tiny_dir)
+    engine, _ = make_engine(model)
+    with engine:
+        [result] = generate_all(engine, [PROMPTS[1]])
+    assert result.status is SequenceStatus.FINISHED_LENGTH
+    assert result.token_ids == reference.greedy(PROMPTS[1])
+
+
+@pytest.mark.parametrize("offload", ["none", "cpu", "nvme"])
+def test_batched_requests_match_hf_generate(tiny_dir, reference, tmp_path, offload):
+    """Six prompts of different lengths, four slots, a 16-token step budget (chunked prefill,
+    prefill mixed with decodes, queueing): each sequence's greedy output equals HF's alone."""
+    model = load_tiny(tiny_dir, offload=offload, nvme_path=str(tmp_path / "nvme"), window=2)
+    engine, runner = make_engine(model, max_batch_size=4, budget=16)
+    with engine:
+        results = generate_all(engine, PROMPTS)
+    for prompt, result in zip(PROMPTS, results):
+        assert result.token_ids == reference.greedy(prompt), f"prompt of {len(prompt)} tokens"
+    assert runner.cache.num_free == 4, "every finished sequence gave its KV slot back"
+    if offload != "none":
+        streamer = model.layers.streamer
+        assert streamer.max_resident_seen <= 2
+        assert streamer.stats.units_loaded > 3, "layers were streamed in again on every step"
+        if offload == "nvme":
+            assert len(list((tmp_path / "nvme").glob("*.ztensor"))) == 3 * 9
+    runner.close()
+
+
+def test_eos_stops_like_hf(tiny_dir, reference):
+    prompt = [200, 17]
+    expected = reference.greedy(prompt, 40)
+    assert len(expected) < 40 and expected[-1] == 2, "this prompt reaches EOS (token 2) in HF"
+    engine, _ = make_engine(load_tiny(tiny_dir))
+    with engine:
+        [result] = generate_all(engine, [prompt], max_new_tokens=40)
+        [ignoring] = generate_all(engine, [prompt], max_new_tokens=40, ignore_eos=True)
+    assert result.status is SequenceStatus.FINISHED_STOPPED and result.token_ids == expected
+    assert ignoring.token_ids == reference.greedy(prompt, 40, ignore_eos=True)
+
+
+def test_nvme_store_is_reused_for_the_same_checkpoint(tiny_dir, reference, tmp_path, caplog):
+    nvme = str(tmp_path / "nvme")
+    load_tiny(tiny_dir, offload="nvme", nvme_path=nvme).close()
+    with caplog.at_level(logging.INFO, logger="zspeed.serve"):
+        model = load_tiny(tiny_dir, offload="nvme", nvme_path=nvme)
+    assert "reusing the layer files" in caplog.text
+    engine, _ = make_engine(model)
+    with engine:
+        [result] = generate_all(engine, [PROMPTS[3]])
+    assert result.token_ids == reference.greedy(PROMPTS[3])
+    model.close()
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(tiny_dir):
+    engine, _ = make_engine(load_tiny(tiny_dir), max_batch_size=4, budget=64)
+    params = dict(temperature=0.8, top_k=50, top_p=0.9, seed=1234)
+    with engine:
+        [alone] = generate_all(engine, [PROMPTS[0]], **params)
+        batched = generate_all(engine, [PROMPTS[2], PROMPTS[0], PROMPTS[3]], **params)
+        [other_seed] = generate_all(engine, [PROMPTS[0]], **{**params, "seed": 99})
+        [top1] = generate_all(engine, [PROMPTS[0]], temperature=1.0, top_k=1, seed=5)
+        [greedy] = generate_all(engine, [PROMPTS[0]])
+    assert alone.token_ids == batched[1].token_ids
+    assert other_seed.token_ids != alone.token_ids
+    assert top1.token_ids == greedy.token_ids
+
+
+def test_sampling_filters():
+    logits = torch.tensor([1.0, 3.0, 2.0, 0.5, -1.0])
+    assert torch.isinf(top_k_filter(logits, 2)).tolist() == [True, False, False, True, True]
+    assert torch.equal(top_k_filter(logits, 0), logits)
+    probs = logits.softmax(-1)  # sorted: idx1 .53, idx2 .20, idx0 .07 ...
+    kept = ~torch.isinf(top_p_filter(logits, float(probs[1]) + 1e-4))
+    assert kept.tolist() == [False, True, True, False, False], "the smallest set reaching p"
+    assert (~torch.isinf(top_p_filter(logits, 0.01))).sum() == 1, "at least the most likely token"
+    p = sampling_probs(logits, SamplingParams(temperature=0.5, top_k=3))
+    expected = torch.zeros(5)
+    expected[[0, 1, 2]] = (logits[[0, 1, 2]] / 0.5).softmax(-1)
+    torch.testing.assert_close(p, expected)
+
+
+def test_kv_cache_slots():
+    cache = KVCache(KVCacheConfig(num_layers=2, num_kv_heads=2, head_dim=4, slots=2, max_len=8),
+                    device=DeviceHandle.for_device("cpu"))
+    a, b = cache.allocate(10), cache.allocate(11)
+    assert a != b and cache.allocate(10) == a
+    with pytest.raises(KVCacheFullError):
+        cache.allocate(12)
+    k = torch.randn(2, 3, 4)
+    cache.write(1, b, 2, k, -k)
+    keys, values = cache.read(1, b, 5)
+    assert torch.equal(keys[:, 2:], k) and torch.equal(values[:, 2:], -k)
+    with pytest.raises(KVCacheFullError):
+        cache.write(0, a, 6, k, k)
+    cache.free(10)
+    cache.free(10)  # idempotent
+    assert cache.allocate(12) == a
+
+
+def test_token_outside_vocabulary_fails_only_its_sequence(tiny_dir):
+    runner = ModelRunner(load_tiny(tiny_dir), max_batch_size=2, max_model_len=64)
+    sampling = SamplingParams()
+    out = runner.step(SchedulerOutput(step=1, prefills=(PrefillChunk(0, (5, 6), 0, True, sampling),
+                                                        PrefillChunk(1, (5, 999), 0, True, sampling))))
+    assert set(out.new_token_ids) == {0} and "999" in out.failed[1]
+    out = runner.step(SchedulerOutput(step=2, decodes=(DecodeItem(0, out.new_token_ids[0][0], 2, sampling),)))
+    assert set(out.new_token_ids) == {0}
+
+
+def test_random_preset_checkpoint(tmp_path):
+    """``write_random_checkpoint`` writes one shard per layer; HF loads it; the server's output equals HF's."""
+    from transformers import LlamaForCausalLM
+
+    out = write_random_checkpoint("tiny", tmp_path / "rand", num_layers=2, dtype=torch.float32, progress=False)
+    assert len(list(out.glob("model-*.safetensors"))) == 3
+    hf = Reference(LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval())
+    model = load_model(LoadConfig(model="tiny", random_weights=True, random_weights_dir=str(out), num_layers=2,
+                                  dtype="float32", device="cpu", progress=False))
+    assert model.description.num_layers == 2 and model.tokenizer.name == "bytes"
+    engine, _ = make_engine(model)
+    with engine:
+        results = generate_all(engine, PROMPTS[:3])
+    assert [r.token_ids for r in results] == [hf.greedy(p) for p in PROMPTS[:3]]
+    assert preset_config("llama-70b").num_hidden_layers == 80
+
+
+def test_int8_zcompress_folder_matches_the_quantized_model(tiny_dir, tmp_path):
+    """INT8 weights served (resident and streamed as int8 bytes) equal the quantized model run directly."""
+    from zspeed.compress import RTNConfig, load_compressed, quantize_model, save_compressed
+
+    model = build_tiny_model()
+    quantize_model(model, RTNConfig(bits=8), progress=False)
+    save_compressed(model, tmp_path / "int8")
+    quantized = Reference(load_compressed(tmp_path / "int8"))
+    for offload in ("none", "cpu"):
+        served = load_tiny(tmp_path / "int8", offload=offload)
+        assert served.description.quantization == "int8"
+        if offload == "cpu":
+            assert served.layers.store.meta("model.layers.0.mlp.up_proj.qweight").dtype == torch.int8
+        engine, _ = make_engine(served)
+        with engine:
+            results = generate_all(engine, PROMPTS[:4])
+        assert [r.token_ids for r in results] == [quantized.greedy(p) for p in PROMPTS[:4]], offload
+        served.close()
+
+
+def test_hf_id_from_the_local_cache(tiny_dir, reference, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    snapshot = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / "0123abc"
+    shutil.copytree(tiny_dir, snapshot)
+    (tmp_path / "hub" / "models--acme--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--acme--tiny" / "refs" / "main").write_text("0123abc")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    model = load_tiny("acme/tiny")
+    assert model.description.source == str(snapshot)
+    with pytest.raises(CheckpointError, match="not in the local Hugging Face cache"):
+        load_tiny("acme/absent")
+
+
+def test_load_errors(tmp_path, tiny_dir):
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    shutil.copy(tiny_dir / "config.json", pickled)
+    (pickled / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(CheckpointError, match="pickle"):
+        load_tiny(pickled)
+    with pytest.raises(ValueError, match="random_weights"):
+        LoadConfig(model="llama-8b")
+    with pytest.raises(ValueError, match="nvme_path"):
+        LoadConfig(model=str(tiny_dir), offload=Offload.NVME)
+    with pytest.raises(CheckpointError, match="no such folder"):
+        load_tiny(tmp_path / "absent")
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(tiny_dir, corrupt)
+    (corrupt / "model.safetensors").write_bytes(b"truncated")
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        load_tiny(corrupt)
+    other = tmp_path / "gpt2"
+    shutil.copytree(tiny_dir, other)
+    (other / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(CheckpointError, match="model_type 'gpt2' is not served"):
+        load_tiny(other)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_other_llama_family_shapes_match_hf(arch, tmp_path):
+    """Mistral (sliding-window config) and Qwen2 (biased q/k/v projections) run through the same runner."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512)
+    config = MistralConfig(**shape, sliding_window=128) if arch == "mistral" else Qwen2Config(**shape)
+    cls = MistralForCausalLM if arch == "mistral" else Qwen2ForCausalLM
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        hf_model = cls(config).eval()
+    hf_model.save_pretrained(tmp_path / arch)
+    model = load_tiny(tmp_path / arch, offload="cpu")
+    assert model.description.architecture == arch
+    engine, runner = make_engine(model, max_model_len=128)
+    with engine:
+        results = generate_all(engine, PROMPTS[:3], ignore_eos=True)
+    assert [r.token_ids for r in results] == [Reference(hf_model).greedy(p, ignore_eos=True) for p in PROMPTS[:3]]
+    if arch == "mistral":
+        with pytest.raises(ValueError, match="sliding window"):
+            ModelRunner(model, max_batch_size=1, max_model_len=256)
+    model.close()
