@@ -212,28 +212,63 @@ def _reduce_buckets(group, chosen, *, full, shard, topo, comm, handle, op, reduc
         _reduce_each(group, chosen, full=full, shard=shard, topo=topo, comm=comm, handle=handle, op=op,
                      reduce_dtype=reduce_dtype, accumulate=accumulate)
         return
-    with _maybe_coalesced(handle, comm, len(chosen), fallback="reduce_scatter_tensor"):
+    pieces = any(full.dtype != reduce_dtype and b.chunk > CAST_PIECE_NUMEL for b in chosen)
+    with _maybe_coalesced(handle, comm, 0 if pieces else len(chosen), fallback="reduce_scatter_tensor"):
         _reduce_each(group, chosen, full=full, shard=shard, topo=topo, comm=comm, handle=handle, op=op,
                      reduce_dtype=reduce_dtype, accumulate=accumulate)
 
 
+# [Note: cast in pieces]
+# Reducing 16-bit gradients in fp32 needs an fp32 send buffer. For a large
+# bucket (a 65M-element lm_head, say) a whole-bucket copy costs ~4 bytes per
+# element right where activation memory peaks, at the start of backward. Such
+# buckets are reduced in pieces instead: piece j gathers element range j of
+# every rank's chunk into one contiguous fp32 buffer (the cast copy needed
+# anyway), so the transient is world x CAST_PIECE_NUMEL elements whatever the
+# bucket's size. Pieces are not coalesced: each send buffer dies with its op.
+CAST_PIECE_NUMEL = 1 << 22
+
+
 def _reduce_each(group, chosen, *, full, shard, topo, comm, handle, op, reduce_dtype, accumulate) -> None:
-    world = topo.world_size
     for b in chosen:
         send = group.bucket_full(full, b)
-        if send.dtype != reduce_dtype:
-            send = send.to(reduce_dtype)
-        if op is ReduceOp.AVG:
-            # Pre-divide: keeps bf16/fp16 sums in range, and gloo has no native AVG on older torch.
-            send.div_(world)
         out = group.bucket_shard(shard, b)
-        recv = out if (out.dtype == reduce_dtype and not accumulate) else torch.empty_like(out, dtype=reduce_dtype)
-        if world > 1:
-            handle.works.append(_reduce_scatter_one(recv, send, topo=topo, comm=comm))
-        else:
-            recv.copy_(send)
-        if recv is not out:
-            handle.finalizers.append(_make_store(out, recv, accumulate))
+        if send.dtype != reduce_dtype and b.chunk > CAST_PIECE_NUMEL and topo.is_distributed:
+            for lo in range(0, b.chunk, CAST_PIECE_NUMEL):
+                hi = min(b.chunk, lo + CAST_PIECE_NUMEL)
+                piece = torch.cat([c[lo:hi] for c in send.chunk(topo.world_size)]).to(reduce_dtype)
+                work, store = _reduce_one(piece, out[lo:hi], topo=topo, comm=comm, op=op, accumulate=accumulate)
+                # Waiting here only orders the comm stream after the op (the host does not block on
+                # CUDA); it lets this piece's buffers be reused by the next one.
+                if work is not None:
+                    work.wait()
+                if store is not None:
+                    store()
+            continue
+        work, store = _reduce_one(send if send.dtype == reduce_dtype else send.to(reduce_dtype), out, topo=topo,
+                                  comm=comm, op=op, accumulate=accumulate)
+        handle.works.append(work)
+        if store is not None:
+            handle.finalizers.append(store)
+
+
+def _reduce_one(send, out, *, topo, comm, op, accumulate):
+    """Reduce-scatter one contiguous send buffer (already in the reduce dtype) into ``out``.
+
+    Returns ``(work, store)``: the collective's work (None when already done) and
+    the function that moves the result into ``out`` once it is (None if it landed there).
+    """
+    world = topo.world_size
+    if op is ReduceOp.AVG:
+        # Pre-divide: keeps bf16/fp16 sums in range, and gloo has no native AVG on older torch.
+        send.div_(world)
+    recv = out if (out.dtype == send.dtype and not accumulate) else torch.empty_like(out, dtype=send.dtype)
+    if world > 1:
+        work = _reduce_scatter_one(recv, send, topo=topo, comm=comm)
+    else:
+        recv.copy_(send)
+        work = None
+    return work, (None if recv is out else _make_store(out, recv, accumulate))
 
 
 def _make_store(out: torch.Tensor, recv: torch.Tensor, accumulate: bool) -> Callable[[], None]:

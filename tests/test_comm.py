@@ -104,3 +104,16 @@ def test_all_gather_selected_buckets():
 @pytest.mark.parametrize("world", [2, 3])
 def test_reduce_scatter_matches_reference(world):
     assert all(run_distributed(_reduce_cases, world))
+
+
+def _piecewise_case(topo):
+    """A bucket larger than the cast piece reduces in pieces with the same result."""
+    import zspeed.core.comm as comm_mod
+    comm_mod.CAST_PIECE_NUMEL = 7  # force several pieces, one of them partial
+    return _reduce_case(topo, "avg", torch.bfloat16, torch.float32, True) and \
+        _reduce_case(topo, "sum", torch.float16, torch.float32, False)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduce_scatter_in_cast_pieces(world):
+    assert all(run_distributed(_piecewise_case, world))
