@@ -2,6 +2,7 @@
 
     python benchmarks/bench_kernels.py            # all shapes, M in {1,4,16,64,256,4096}; ~3-4 min on an H100
     python benchmarks/bench_kernels.py --quick    # one shape
+    python benchmarks/bench_kernels.py --dry-run  # CPU, Triton interpreter, tiny shapes: checks the script only
 
 For each weight shape ``K x N`` (in x out) and each number of rows ``M`` it times,
 with ``triton.testing.do_bench`` (median, L2 flushed before every call):
@@ -40,11 +41,23 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ms", type=int, nargs="*", default=MS)
     p.add_argument("--no-paths", action="store_true", help="time only the default policy, not every path")
     p.add_argument("--rep", type=int, default=40, help="do_bench rep in ms (default 40)")
+    p.add_argument("--dry-run", action="store_true", help="no GPU: tiny shapes on the CPU under the Triton "
+                   "interpreter, wall-clock timing (exercises the script, measures nothing)")
     return p.parse_args()
+
+
+DEVICE = "cuda"
 
 
 def bench(fn, rep: int) -> float:
     """Median milliseconds of ``fn()``."""
+    if DEVICE == "cpu":  # --dry-run
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+        return sorted(times)[1]
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=10, rep=rep, return_mode="median")
@@ -58,8 +71,8 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def make_weights(k: int, n: int) -> dict:
     from zspeed.compress import compress_nm, prune_nm, quantize_int4, quantize_int8
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    w = (torch.randn(n, k, device=DEVICE, generator=g) * 0.02).to(torch.bfloat16)
     q4 = quantize_int4(w, group_size=128, scale_dtype=torch.bfloat16)
     q8 = quantize_int8(w, scale_dtype=torch.bfloat16)
     nm = compress_nm(prune_nm(w, w.abs()))
@@ -162,7 +175,7 @@ def run_shape(k: int, n: int, args) -> list[dict]:
     ours, peers = zspeed_cases(wt), peer_cases(wt)
     rows = []
     for m in args.ms:
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
         base_ms = bench(lambda: F.linear(x, wt["dense"]), args.rep)
         row = {"K": k, "N": n, "M": m, "cublas_bf16_ms": base_ms, "results": {}}
         for name, (fn, ref) in ours.items():
@@ -177,7 +190,8 @@ def run_shape(k: int, n: int, args) -> list[dict]:
         rows.append(row)
         print(_line(row), flush=True)
     del wt
-    torch.cuda.empty_cache()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -226,29 +240,35 @@ def _check_targets(rows: list[dict]) -> None:
         got = [row["cublas_bf16_ms"] / row["results"][name]["ms"] for row in rows
                if row["M"] == m and "ms" in row["results"].get(name, {})]
         if got:
-            print(f"  {name:15s} M={m:<5d} >= {want:.1f}x: worst {min(got):.2f}x {'PASS' if min(got) >= want else 'FAIL'}")
+            verdict = "PASS" if min(got) >= want else "FAIL"
+            print(f"  {name:15s} M={m:<5d} >= {want:.1f}x: worst {min(got):.2f}x {verdict}")
     floor = [row["cublas_bf16_ms"] / row["results"]["w4a16"]["ms"] for row in rows if "ms" in row["results"]["w4a16"]]
     if floor:
         print(f"  w4a16 every M   >= 0.9x: worst {min(floor):.2f}x {'PASS' if min(floor) >= 0.9 else 'FAIL'}")
 
 
 def main() -> int:
+    global DEVICE
     args = parse_args()
-    if not torch.cuda.is_available():
-        print("bench_kernels needs a CUDA GPU", file=sys.stderr)
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    if args.dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"  # before zspeed first imports triton (kernels/_runtime.py)
+        DEVICE, shapes, args.ms = "cpu", [(256, 96)], [m for m in (1, 16, 64) if m in args.ms] or [1]
+    elif not torch.cuda.is_available():
+        print("bench_kernels needs a CUDA GPU (or --dry-run)", file=sys.stderr)
         return 2
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)"
     start = time.perf_counter()
-    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    print(f"device: {name}  torch {torch.__version__}", flush=True)
     print(f"{'shape':>13s} {'M':>7s} {'bf16':>11s} " + " ".join(f"{c[:8]:>8s}" for c in COLUMNS), flush=True)
     rows = []
-    for k, n in SHAPES[:1] if args.quick else SHAPES:
+    for k, n in shapes:
         rows += run_shape(k, n, args)
     print_report(rows)
     print(f"\ntotal {time.perf_counter() - start:.0f}s")
     if os.environ.get("OUT"):
         out = Path(os.environ["OUT"]) / "bench_kernels.json"
-        out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                   "rows": rows}, indent=1))
+        out.write_text(json.dumps({"device": name, "torch": torch.__version__, "rows": rows}, indent=1))
     return 0
 
 

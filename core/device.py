@@ -146,6 +146,15 @@ class DeviceHandle:
         if self.is_cuda:
             torch.cuda.set_device(self.device)
 
+    # -- random number generators ------------------------------------------------
+    def get_rng_state(self) -> torch.Tensor | None:
+        """This device's generator state (None on the CPU: ``torch.get_rng_state`` covers it)."""
+        return torch.cuda.get_rng_state(self.device) if self.is_cuda else None
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        if self.is_cuda:
+            torch.cuda.set_rng_state(state, self.device)
+
     # -- memory ----------------------------------------------------------------
     def empty(self, shape, *, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=self.device)

@@ -47,6 +47,20 @@ class TopologyConfig:
             raise ValueError(f"TopologyConfig.timeout_s must be positive, got {self.timeout_s}")
 
 
+def _fresh_store(restart: int, timeout: datetime.timedelta) -> dict:
+    """``store``, ``rank`` and ``world_size`` for a worker restarted by torchrun's elastic agent.
+
+    [Note: elastic restarts and stale store keys]
+    The agent may hand restarted workers the store of the previous attempt, where the dead
+    workers' gloo addresses are still recorded under the default group's keys; a new worker then
+    connects to a dead address ("connectFullMesh failed ... Connection refused"). Prefixing the
+    store with the attempt number gives every attempt its own keys.
+    """
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+    return {"store": dist.PrefixStore(f"zspeed/attempt{restart}/", store), "rank": rank, "world_size": world}
+
+
 @dataclass(eq=False)
 class Topology:
     """Ranks, groups and the device of this process.
@@ -104,6 +118,9 @@ class Topology:
         kwargs = {"backend": backend, "timeout": datetime.timedelta(seconds=config.timeout_s)}
         if device.is_cuda:
             kwargs["device_id"] = device.device
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if restart > 0:
+            kwargs.update(_fresh_store(restart, kwargs["timeout"]))
         dist.init_process_group(**kwargs)
         return cls._from_group(device, owns=True)
 

@@ -186,67 +186,9 @@ def test_two_processes_through_torchrun_match_one_process(single_run, corpus_fil
     assert (out / "loss.png").is_file() and not (out / "model").exists()
 
 
-# -- resuming (through a stand-in engine until ZeroEngine has save_checkpoint / load_checkpoint) ------
+# -- resuming -----------------------------------------------------------------------------------
 
-class StandInEngine:
-    """Plain PyTorch behind the engine API the trainer uses (one process); checkpoints kept in memory."""
-
-    saved: dict[str, tuple] = {}
-
-    def __init__(self, model, config):
-        self.module, self.config = model, config
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.optimizer.params.lr)
-        self.global_steps = self.micro_steps = 0
-        self.device = torch.device("cpu")
-
-    def __call__(self, **batch):
-        return self.module(**batch)
-
-    def backward(self, loss):
-        (loss / self.config.gradient_accumulation_steps).backward()
-
-    def step(self):
-        self.micro_steps += 1
-        if self.micro_steps % self.config.gradient_accumulation_steps == 0:
-            self.optimizer.step()
-            self.optimizer.zero_grad()
-            self.global_steps += 1
-
-    def get_lr(self):
-        return [g["lr"] for g in self.optimizer.param_groups]
-
-    def train(self, mode=True):
-        self.module.train(mode)
-
-    def eval(self):
-        self.module.eval()
-
-    def full_state_dict(self, master=False):
-        return dict(self.module.state_dict())
-
-    def save_checkpoint(self, folder, tag, client_state):
-        import copy
-
-        from zspeed.train.checkpoint_format import update_latest
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        StandInEngine.saved[folder] = (tag, copy.deepcopy(self.module.state_dict()),
-                                       copy.deepcopy(self.optimizer.state_dict()), self.global_steps,
-                                       json.loads(json.dumps(client_state)))
-        update_latest(folder, tag)
-
-    def load_checkpoint(self, folder):
-        tag, model, optim, steps, client = StandInEngine.saved[folder]
-        self.module.load_state_dict(model)
-        self.optimizer.load_state_dict(optim)
-        self.global_steps = self.micro_steps = steps  # accumulation 1 in this test
-        return f"{folder}/{tag}", client
-
-
-def test_resume_continues_losses_and_data_order(tmp_path, monkeypatch, capsys):
-    import zspeed
-    monkeypatch.setattr(zspeed, "initialize", lambda *, model, config, topology: (StandInEngine(model, config),
-                                                                                   None, None, None), raising=False)
-    monkeypatch.setattr(cli, "_engine_has_checkpoints", lambda: True)
+def test_resume_continues_losses_and_data_order(tmp_path, capsys):
     data = synthetic_corpus(tmp_path / "d.jsonl", n=60)
     args = ["--model", "tiny-llama", "--data", data, "--seq-len", "32", "--micro-batch", "4", "--lr", "3e-3",
             "--no-export", "--eval-fraction", "0"]
@@ -262,8 +204,7 @@ def test_resume_continues_losses_and_data_order(tmp_path, monkeypatch, capsys):
         cli.main([str(a) for a in [*args, "--max-steps", "9", "--resume", "--global-batch", "8", "--out", split]])
 
 
-def test_resume_refuses_a_checkpoint_of_another_model(tmp_path, monkeypatch, capsys, data):
-    monkeypatch.setattr(cli, "_engine_has_checkpoints", lambda: True)
+def test_resume_refuses_a_checkpoint_of_another_model(tmp_path, capsys, data):
     out = tmp_path / "out"
     save_sharded(tiny_llama(), out / "checkpoints", world=2)  # hidden 64: not tiny-llama's 128
     rc, err = run_cli(["--model", "tiny-llama", "--data", data, "--out", out, "--resume"], capsys)

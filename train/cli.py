@@ -151,16 +151,13 @@ def _data_paths(args: argparse.Namespace, out: Path) -> list[Path]:
 
 
 def _check_checkpoints(args: argparse.Namespace, out: Path) -> bool:
-    """Whether to resume; checks the checkpoint folder and that the engine can save/load."""
+    """Whether to resume: ``--resume``, or an elastic restart (torchrun's restart count > 0) with a checkpoint."""
     from .checkpoint_format import read_latest
     from .trainer import CHECKPOINT_DIR
 
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     latest = read_latest(out / CHECKPOINT_DIR)
     resume = args.resume or (restarted and latest is not None)
-    if (resume or args.save_every) and not _engine_has_checkpoints():
-        raise UsageError("--save-every / --resume need engine checkpoints (ZeroEngine.save_checkpoint / "
-                         "load_checkpoint), which this zspeed does not have yet")
     if args.resume and latest is None:
         raise UsageError(f"--resume: no checkpoint in {out / CHECKPOINT_DIR} (no 'latest' file); run once with "
                          "--save-every N first")
@@ -177,14 +174,6 @@ def _check_checkpoint_model(out: Path, source, tokenizer) -> None:
     if (folder / META_FILE).is_file():  # zspeed's sharded format (see checkpoint_format)
         check_matches_model(read_meta(folder), parameter_shapes(source, tokenizer), where=f"checkpoint {folder}",
                             model=source.name)
-
-
-def _engine_has_checkpoints() -> bool:
-    # Transitional: the engine's checkpoint methods land with issue 4; remove this check then.
-    from .engine import ZeroEngine
-
-    return callable(getattr(ZeroEngine, "save_checkpoint", None)) and \
-        callable(getattr(ZeroEngine, "load_checkpoint", None))
 
 
 # -- processes ------------------------------------------------------------------------------------

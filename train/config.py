@@ -156,17 +156,20 @@ def load_config(
     return result
 
 
-def resize_for_world_size(config: ZSpeedConfig, world_size: int) -> ZSpeedConfig:
-    """The same config at another world size, keeping the global batch and the micro-batch
-    (so gradient accumulation changes), as an elastic restart needs."""
-    tbs, mbs = config.train_batch_size, config.train_micro_batch_size_per_gpu
+def resize_for_world_size(config: ZSpeedConfig, world_size: int, *,
+                          train_batch_size: int | None = None) -> ZSpeedConfig:
+    """The same config at another world size, keeping the global batch (or setting it to
+    ``train_batch_size``: the one a checkpoint was trained with) and the micro-batch, so gradient
+    accumulation changes, as an elastic restart needs."""
+    tbs, mbs = train_batch_size or config.train_batch_size, config.train_micro_batch_size_per_gpu
     per_step = mbs * world_size
     if tbs % per_step:
         raise ConfigError(
             f"cannot keep train_batch_size={tbs} at world_size={world_size}: it is not divisible by "
             f"train_micro_batch_size_per_gpu ({mbs}) × world_size ({world_size}) = {per_step} "
             f"({tbs} / {per_step} = {tbs / per_step:g})")
-    return dataclasses.replace(config, world_size=world_size, gradient_accumulation_steps=tbs // per_step)
+    return dataclasses.replace(config, world_size=world_size, train_batch_size=tbs,
+                               gradient_accumulation_steps=tbs // per_step)
 
 
 def config_to_dict(config: ZSpeedConfig) -> dict[str, Any]:

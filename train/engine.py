@@ -30,6 +30,7 @@ from .lr_schedules import build_lr_scheduler
 from .meta_init import CurrentValues, UnitInitializer
 from .mixed_precision import MixedPrecision
 from .optim_factory import build_optimizer
+from .offload import OffloadStepper, adopt_unit, build_offload, units_in_flight
 from .optimizer_step import MasterOptimizer, StepOutcome
 from .param_group_state import FlatParamGroup
 from .stage_policy import StagePolicy
@@ -85,15 +86,17 @@ class ZeroEngine:
         self.mp = MixedPrecision(precision=config.precision)
         self.comm = CommContext(topo) if topo.is_distributed else None
         self.block_classes = tuple(block_classes) if block_classes is not None else default_block_classes(module)
+        self.offload, self.param_offload = build_offload(config, policy=self.policy, topo=topo)
         groups_spec = _param_groups(module, optimizer, model_parameters)
         self.units = self._build_units(groups_spec, init or CurrentValues())
         self.groups: list[FlatParamGroup] = [g for u in self.units for g in u.groups]
         self.optimizer = self._build_optimizer(optimizer, groups_spec)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.scaler = make_loss_scaler(config.fp16)
-        self.stepper = MasterOptimizer(optimizer=self.optimizer, groups=self.groups, policy=self.policy, topo=topo,
-                                       scaler=self.scaler, clip_norm=config.gradient_clipping)
+        self.stepper = self._build_stepper()
         self.hooks = self._install_zero3_hooks()
+        if self.offload is not None:
+            self.offload.attach(self.groups)
         self.micro_steps = 0
         self.global_steps = 0
         self.last_outcome: StepOutcome | None = None
@@ -122,6 +125,7 @@ class ZeroEngine:
             init.init_unit(u)
             for g in u.groups:
                 g.init_grads()
+            adopt_unit(u, self.offload, self.param_offload)  # off the device one unit at a time
         init.finish(self.module, self.topo.device.device)
         return units
 
@@ -144,6 +148,13 @@ class ZeroEngine:
                   for spec, ms in zip(groups_spec, masters) if ms]
         return build_optimizer(groups, self.config.optimizer)
 
+    def _build_stepper(self) -> MasterOptimizer | OffloadStepper:
+        if self.offload is not None:
+            return OffloadStepper(offload=self.offload, optimizer=self.optimizer, topo=self.topo,
+                                  scaler=self.scaler, clip_norm=self.config.gradient_clipping)
+        return MasterOptimizer(optimizer=self.optimizer, groups=self.groups, policy=self.policy, topo=self.topo,
+                               scaler=self.scaler, clip_norm=self.config.gradient_clipping)
+
     def _build_scheduler(self, client: Any):
         if client is None:
             return build_lr_scheduler(self.optimizer, self.config.scheduler)
@@ -159,6 +170,8 @@ class ZeroEngine:
         hooks = Zero3Hooks(root=self.module, units=self.units,
                            prefetch_numel=min(z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters - largest))
         hooks.install()
+        if self.param_offload is not None:
+            self.param_offload.set_window(units_in_flight(hooks))
         return hooks
 
     # -- the training loop -----------------------------------------------------------------------
@@ -180,21 +193,23 @@ class ZeroEngine:
 
     def _backward(self, loss: torch.Tensor, retain_graph: bool) -> None:
         scale = self.stepper.loss_scale / self.config.gradient_accumulation_steps
+        boundary = self.is_gradient_accumulation_boundary()
         if self.policy.keeps_full_grads:
             for g in self._trainable():
                 g.attach_grads()
+        if self.offload is not None:
+            self.offload.arm(boundary)
         (loss.float() * scale).backward(retain_graph=retain_graph)
-        boundary = self.is_gradient_accumulation_boundary()
         if self.policy.shard_grads:
             for g in self._trainable():
                 g.flush_grads()
             for g in self._trainable():
                 g.wait_reductions()
                 if boundary:
-                    g.sharded_grad_to_master()
+                    self.offload.collect(g) if self.offload is not None else g.sharded_grad_to_master()
         elif boundary:
             for g in self._trainable():
-                g.reduce_at_boundary()
+                self.offload.collect(g) if self.offload is not None else g.reduce_at_boundary()
 
     def step(self) -> None:
         """At an accumulation boundary: the optimizer step (see the module docstring); else count."""
@@ -206,12 +221,33 @@ class ZeroEngine:
             outcome = self.stepper.step()
             for g in self._trainable():
                 g.zero_grads()
+        if self.param_offload is not None and self.hooks is not None and not self.hooks.recording:
+            self.param_offload.follow(self.hooks.order)
         if outcome.applied and self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.global_steps += 1
         self.last_outcome = outcome
         self.log.on_step(step=self.global_steps, lr=self.get_lr(), loss_scale=outcome.loss_scale,
                          grad_norm=outcome.grad_norm, skipped=self.skipped_steps)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True) -> str:
+        """Save the sharded training state under ``save_dir/tag`` (default tag ``global_step<N>``),
+        then point ``save_dir/latest`` at it; collective. ``client_state`` (JSON) comes back from
+        :meth:`load_checkpoint`. See :mod:`zspeed.train.checkpoint`."""
+        from .checkpoint import save_checkpoint
+        return str(save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest))
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str | None, dict | None]:
+        """Load ``load_dir/tag`` (default: the ``latest`` tag), saved at any world size and stage;
+        returns ``(folder, client_state)``, ``(None, None)`` when there is no checkpoint.
+        ``load_module_strict`` is accepted for DeepSpeed compatibility (loading is always strict)."""
+        from .checkpoint import load_checkpoint
+        return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
@@ -284,10 +320,11 @@ class ZeroEngine:
         return out
 
     def _gathered_master(self, g: FlatParamGroup) -> torch.Tensor:
+        master = self.offload.master_values(g) if self.offload is not None else g.master
         if not self.policy.shard_optimizer:
-            return g.master
-        full = torch.zeros(g.group.full_numel, dtype=g.master.dtype, device=self.device)
-        full[g.lo:g.hi].copy_(g.master)
+            return master
+        full = torch.zeros(g.group.full_numel, dtype=master.dtype, device=self.device)
+        full[g.lo:g.hi].copy_(master)
         all_gather(g.group, shard=full[g.lo:g.hi], full=full, topo=self.topo, comm=self.comm, async_op=False)
         return full
 
@@ -335,6 +372,7 @@ def _check_supported(config: ZSpeedConfig) -> None:
     not), ``stage3_max_reuse_distance`` (units are released after every use: distance 0).
     """
     z = config.zero_optimization
-    if z.offload_optimizer.enabled or z.offload_param.enabled:
-        raise NotImplementedError("zero_optimization.offload_optimizer / offload_param: offload is not in the "
-                                  "engine yet (planned with the streamer); set their device to 'none'")
+    if z.offload_param.enabled and not z.offload_optimizer.enabled:
+        raise ConfigError("zero_optimization.offload_param needs offload_optimizer too in zspeed: at stage 3 the "
+                          "fp32 master is the only device copy of the parameters, so offloading the 16-bit "
+                          "chunk alone saves nothing; set offload_optimizer.device to 'cpu' or 'nvme'")

@@ -53,7 +53,8 @@ from .checkpoint_format import (
 )
 from .tokenizer import TOKENIZER_FILES
 
-__all__ = ["ExportConfig", "ExportReport", "export_checkpoint", "export_state_dict", "SAFETENSORS_INDEX"]
+__all__ = ["ExportConfig", "ExportReport", "ShardReader", "export_checkpoint", "export_state_dict",
+           "SAFETENSORS_INDEX"]
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 _SINGLE_FILE = "model.safetensors"
@@ -225,6 +226,9 @@ class _ShardReader:
             for lo in range(p.shard_start, p.shard_start + p.numel, step):
                 hi = min(lo + step, p.shard_start + p.numel)
                 _write_bytes(f, self.read(p.rank, key, group.holders[p.rank], lo, hi).to(dtype))
+
+
+ShardReader = _ShardReader  # public name: engine checkpoint loading reads pieces through it too
 
 
 def _checkpoint_tensors(meta: ShardedStateMeta, reader: _ShardReader, config: ExportConfig) -> list[_OutTensor]:

@@ -28,6 +28,14 @@ saves 2Ψ/N bytes per rank against keeping a 16-bit shard beside the master.
 Gradient shards are likewise allocated at the first reduction of a step and
 dropped by ``zero_grads``, so forward (where activations peak) holds none.
 
+[Note: releasing gradient buffers]
+A unit's ``full_grad`` is read only by the reduce-scatter, on the comm stream.
+On CUDA it is handed back as soon as that collective is issued, marked with
+``record_stream`` so the caching allocator does not reuse it until the comm
+stream is past it; otherwise every unit's buffer would stay alive until the end
+of backward (a whole model of 16-bit gradients). On the CPU the handle keeps it
+until the collective is waited, since gloo runs it asynchronously.
+
 [Note: freeing by storage resize]
 Stage 3 never swaps ``param.data``. The parameters stay views of ``full`` for
 the whole run; resharding resizes ``full``'s storage to zero bytes and
@@ -40,7 +48,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.nn as nn
@@ -51,7 +59,17 @@ from ..core.topology import Topology
 from .mixed_precision import MixedPrecision
 from .stage_policy import StagePolicy
 
-__all__ = ["ParamState", "FlatParamGroup"]
+__all__ = ["ParamState", "ShardSource", "FlatParamGroup"]
+
+
+class ShardSource(Protocol):
+    """Where a stage-3 group's compute chunk comes from when it is not kept on the device."""
+
+    def fetch(self, group: "FlatParamGroup") -> torch.Tensor:
+        """The chunk on the device (compute dtype), valid until :meth:`done`."""
+
+    def done(self, group: "FlatParamGroup") -> None:
+        """The gather that read the chunk has completed."""
 
 
 class ParamState(enum.Enum):
@@ -83,6 +101,7 @@ class FlatParamGroup:
         self.full_grad: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self.on_grads_reduced: Callable[["FlatParamGroup"], None] | None = None
+        self.source: ShardSource | None = None  # stage 3 with parameter offload: where the chunk streams from
         self._gather: CollectiveHandle | None = None
         self._gather_src: torch.Tensor | None = None  # keeps the cast chunk alive until the gather ends
         self._reductions: list[tuple[CollectiveHandle, torch.Tensor]] = []
@@ -189,6 +208,8 @@ class FlatParamGroup:
             self._gather.wait()
             self._gather, self._gather_src = None, None
             self.state = ParamState.GATHERED
+            if self.source is not None:
+                self.source.done(self)
 
     def reshard(self) -> None:
         """Free the full parameters (stage 3, non-persistent groups only)."""
@@ -199,12 +220,17 @@ class FlatParamGroup:
         self.state = ParamState.SHARDED
 
     def _shard_source(self) -> torch.Tensor:
-        """This rank's chunk in the compute dtype (cast from the master when there is no 16-bit shard)."""
+        """This rank's chunk in the compute dtype (cast from the master when there is no 16-bit shard;
+        streamed in when parameters are offloaded)."""
+        if self.source is not None:
+            return self.source.fetch(self)
         return self.shard if self.shard is not None else self.master.to(self.dtype)
 
     def _gather_sync(self) -> None:
         src = self._shard_source() if self.policy.shard_params else self.full[self.lo:self.hi]
         all_gather(self.group, shard=src, full=self.full, topo=self.topo, comm=self.comm, async_op=False)
+        if self.source is not None and self.policy.shard_params:
+            self.source.done(self)
 
     # -- gradients ---------------------------------------------------------------------------
     def attach_grads(self) -> None:
@@ -230,10 +256,17 @@ class FlatParamGroup:
             self.grad_shard = torch.zeros(self.hi - self.lo, dtype=self.dtype, device=self._device)
         handle = reduce_scatter(self.group, full=self.full_grad, shard=self.grad_shard, topo=self.topo,
                                 op=ReduceOp.AVG, reduce_dtype=self.mp.reduce_dtype, accumulate=True, comm=self.comm)
-        self._reductions.append((handle, self.full_grad))
+        self._reductions.append((handle, self._release_after_reduce(self.full_grad)))
         self.full_grad, self._ready = None, 0
         if self.on_grads_reduced is not None:
             self.on_grads_reduced(self)
+
+    def _release_after_reduce(self, full_grad: torch.Tensor) -> torch.Tensor | None:
+        """What to keep alive until the reduction is waited (see [Note: releasing gradient buffers])."""
+        if self.comm is not None and self.topo.device.is_cuda:
+            self.topo.device.record_stream(full_grad, self.comm.reduce_stream)
+            return None
+        return full_grad
 
     def flush_grads(self) -> None:
         """Reduce what a partial micro-batch produced (parameters that got no gradient count as zero)."""
@@ -247,6 +280,11 @@ class FlatParamGroup:
 
     def reduce_at_boundary(self) -> None:
         """Stages 0-1, last micro-batch: reduce the locally accumulated gradients into ``master.grad``."""
+        self.master.grad = self.reduced_full_grad()
+
+    def reduced_full_grad(self) -> torch.Tensor:
+        """Stages 0-1, last micro-batch: the accumulated gradients reduced over ranks (fp32, on the
+        device; this rank's chunk from stage 1 on)."""
         if self.policy.shard_optimizer:
             grad = torch.empty(self.hi - self.lo, dtype=self.mp.master_dtype, device=self._device)
             reduce_scatter(self.group, full=self.full_grad, shard=grad, topo=self.topo, op=ReduceOp.AVG,
@@ -254,7 +292,7 @@ class FlatParamGroup:
         else:
             grad = self.full_grad.to(self.mp.master_dtype)  # a copy in 16-bit training, an alias in fp32
             all_reduce(grad, topo=self.topo, op=ReduceOp.AVG)
-        self.master.grad = grad
+        return grad
 
     def sharded_grad_to_master(self) -> None:
         """Stages 2-3, last micro-batch: expose the reduced gradient shard as ``master.grad`` (fp32)."""
@@ -279,6 +317,14 @@ class FlatParamGroup:
             return
         if self.mp.has_master:
             self.full[self.lo:self.hi].copy_(self.master)
+        self._gather_sync()
+
+    def regather(self) -> None:
+        """After this rank's compute chunk (``shard``, or ``full[lo:hi]`` below stage 3) was written
+        directly (optimizer offload): gather the full parameters again where they are gathered."""
+        if self.policy.shard_params and self.state is ParamState.SHARDED:
+            return
+        self.wait_unshard()
         self._gather_sync()
 
     def zero_grads(self) -> None:

@@ -27,7 +27,7 @@ from ..core.comm import ReduceOp, all_reduce
 from ..core.memory import format_bytes
 from ..core.topology import Topology
 from .cli_config import FlagValues, auto_context
-from .config import load_config
+from .config import load_config, resize_for_world_size
 from .data import IGNORE_INDEX, DataConfig, DataCursor, Document, GlobalOrderSampler, PackedDataset, build_splits, \
     collate
 from .models import ModelSource, build_model
@@ -102,21 +102,44 @@ def _resolve_config(plan: TrainPlan, world: int, train_rows: int):
     first = load_config(plan.config, world_size=world,
                         auto_context=auto_context(plan.flags, hidden_size=plan.hidden_size, total_steps=1,
                                                   warmup_steps=1))
-    per_epoch = train_rows // first.train_batch_size
+    batch = _resumed_global_batch(plan) or first.train_batch_size
+    per_epoch = train_rows // batch
     total = plan.max_steps if plan.max_steps is not None else per_epoch * (plan.epochs or 1)
     if total < 1:
         raise ValueError(f"the training split has {train_rows} rows, fewer than one global batch of "
-                         f"{first.train_batch_size}; add data or lower the global batch or --seq-len")
+                         f"{batch}; add data or lower the global batch or --seq-len")
     ctx = auto_context(plan.flags, hidden_size=plan.hidden_size, total_steps=total, warmup_steps=max(2, total // 20))
-    return load_config(plan.config, world_size=world, auto_context=ctx), total
+    cfg = load_config(plan.config, world_size=world, auto_context=ctx)
+    if batch != cfg.train_batch_size:  # resumed at another world size: same global batch, other accumulation
+        cfg = resize_for_world_size(cfg, world, train_batch_size=batch)
+    return cfg, total
+
+
+def _resumed_global_batch(plan: TrainPlan) -> int | None:
+    """The global batch of the checkpoint being resumed, unless the flags or the config file set one.
+
+    An elastic restart may come back with another number of workers; the default global batch
+    (micro-batch × ranks) would then change, and with it the data order and the optimizer steps.
+    """
+    if not plan.resume or plan.flags.global_batch is not None or \
+            plan.config.get("train_batch_size", "auto") != "auto":
+        return None
+    from .checkpoint_format import read_latest, read_meta
+
+    root = plan.out / CHECKPOINT_DIR
+    tag = read_latest(root)
+    return int(read_meta(root / tag).state.get("train_batch_size", 0)) or None if tag else None
 
 
 def _maybe_resume(engine, plan: TrainPlan, log: RunLog) -> DataCursor:
     if not plan.resume:
         return DataCursor()
-    path, client = engine.load_checkpoint(str(plan.out / CHECKPOINT_DIR))
+    # The schedule is this run's (its total may differ from the saved run's), positioned at the saved step.
+    path, client = engine.load_checkpoint(str(plan.out / CHECKPOINT_DIR), load_lr_scheduler_states=False)
     if path is None:
         raise RuntimeError(f"--resume: no checkpoint could be loaded from {plan.out / CHECKPOINT_DIR}")
+    if engine.lr_scheduler is not None and engine.global_steps:
+        engine.lr_scheduler.load_state_dict({"last_batch_iteration": engine.global_steps - 1})
     state = (client or {}).get("ztrain", {})
     if state.get("seed", plan.seed) != plan.seed:
         raise ValueError(f"--resume: the checkpoint was trained with --seed {state['seed']}, not {plan.seed}; "

@@ -1,0 +1,159 @@
+"""``zcompress``: quantize, sparsify, inspect and evaluate models from the shell.
+
+    zcompress quantize --model DIR --bits 4 --group-size 128 --method gptq --calib FILE --out DIR
+    zcompress sparsify --model DIR --pattern 2:4 --method wanda --calib FILE --out DIR
+    zcompress inspect DIR
+    zcompress eval --model DIR --data FILE
+
+``--model`` takes a Hugging Face folder, a ``.gguf`` file, a folder written by
+zcompress, or ``tiny`` (a built-in random tiny Llama for demos).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .config import GPTQConfig, MagnitudeConfig, RTNConfig, WandaConfig
+from .data import read_text, windows
+from .storage import CompressedFormatError, compressed_modules, read_metadata, save_compressed
+
+QUANT_METHODS = {"rtn": RTNConfig, "gptq": GPTQConfig}
+SPARSE_METHODS = {"magnitude": MagnitudeConfig, "wanda": WandaConfig}
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="HF folder, .gguf file, zcompress folder, or 'tiny'")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--calib", help="calibration text (.txt, .json, .jsonl); needed by gptq and wanda")
+    p.add_argument("--calib-samples", type=int, default=32, help="calibration windows (default 32)")
+    p.add_argument("--calib-seq-len", type=int, default=256, help="tokens per calibration window (default 256)")
+    p.add_argument("--group-size", type=int, default=128, help="INT4 group size: 32, 64 or 128 (default 128)")
+    p.add_argument("--symmetric", action="store_true", help="symmetric INT4 (no zero points)")
+    p.add_argument("--pad-groups", action="store_true", help="allow a short last group when in_features "
+                   "is not a multiple of the group size")
+    p.add_argument("--exclude", nargs="*", default=None, help="fnmatch patterns of Linears to leave alone "
+                   "(default: lm_head)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zcompress", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    q = sub.add_parser("quantize", help="weight-only INT8/INT4 quantization")
+    q.add_argument("--bits", type=int, choices=(4, 8), default=4)
+    q.add_argument("--method", default="rtn", help=f"one of {sorted(QUANT_METHODS)}")
+    q.add_argument("--act-order", action="store_true", help="gptq: sweep columns by decreasing Hessian diagonal")
+    q.add_argument("--damp", type=float, default=0.01, help="gptq: diagonal damping fraction (default 0.01)")
+    _common(q)
+    s = sub.add_parser("sparsify", help="N:M pruning, stored compressed")
+    s.add_argument("--pattern", default="2:4", help="N:M, e.g. 2:4 (default)")
+    s.add_argument("--method", default="magnitude", help=f"one of {sorted(SPARSE_METHODS)}")
+    s.add_argument("--int4", action="store_true", help="also quantize the kept values to INT4")
+    _common(s)
+    i = sub.add_parser("inspect", help="per-module formats, sizes and errors of a compressed folder")
+    i.add_argument("dir")
+    e = sub.add_parser("eval", help="perplexity before vs after compression")
+    e.add_argument("--model", required=True, help="a zcompress folder (its source is the 'before'), or any model")
+    e.add_argument("--data", required=True, help="text file (.txt, .json, .jsonl)")
+    e.add_argument("--baseline", help="the uncompressed model (default: the source recorded at compression)")
+    e.add_argument("--seq-len", type=int, default=512)
+    e.add_argument("--max-windows", type=int, default=16)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"quantize": cmd_compress, "sparsify": cmd_compress, "inspect": cmd_inspect,
+                "eval": cmd_eval}[args.command](args)
+    except (ValueError, FileNotFoundError, CompressedFormatError, TypeError) as e:
+        print(f"zcompress {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _config(args: argparse.Namespace):
+    exclude = {} if args.exclude is None else {"exclude": tuple(args.exclude)}
+    if args.command == "quantize":
+        cls = _pick(QUANT_METHODS, args.method, "quantize")
+        group = {} if args.bits == 8 else {"group_size": args.group_size, "symmetric": args.symmetric}
+        gptq = {"act_order": args.act_order, "damp": args.damp} if cls is GPTQConfig else {}
+        return cls(bits=args.bits, pad_groups=args.pad_groups, **group, **gptq, **exclude)
+    cls = _pick(SPARSE_METHODS, args.method, "sparsify")
+    n, m = _pattern(args.pattern)
+    return cls(n=n, m=m, quant_bits=4 if args.int4 else None, group_size=args.group_size,
+               symmetric=args.symmetric, pad_groups=args.pad_groups, **exclude)
+
+
+def _pick(methods: dict, name: str, command: str) -> type:
+    if name not in methods:
+        raise ValueError(f"unknown method {name!r} for {command}; valid: {', '.join(sorted(methods))}")
+    return methods[name]
+
+
+def _pattern(text: str) -> tuple[int, int]:
+    try:
+        n, m = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--pattern {text!r} is not N:M (e.g. 2:4)") from None
+    return n, m
+
+
+def cmd_compress(args: argparse.Namespace) -> int:
+    from .hf import load_model, tokenize
+    from .transform import quantize_model, sparsify_model
+
+    config = _config(args)
+    needs_calib = isinstance(config, (GPTQConfig, WandaConfig))
+    if needs_calib and not args.calib:
+        raise ValueError(f"--method {args.method} needs calibration text: pass --calib FILE")
+    model, tokenizer = load_model(args.model)
+    calib = None
+    if needs_calib:
+        tokens = tokenize(read_text(args.calib, max_chars=args.calib_samples * args.calib_seq_len * 8), tokenizer)
+        calib = windows(tokens, seq_len=args.calib_seq_len, count=args.calib_samples)
+    start = time.perf_counter()
+    transform = quantize_model if args.command == "quantize" else sparsify_model
+    transform(model, config, calib=calib, progress=not args.no_progress)
+    save_compressed(model, args.out, config=config, extra={"source": args.model})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(args.out)
+    print(f"{config.method}: {len(compressed_modules(model))} modules compressed in "
+          f"{time.perf_counter() - start:.1f}s → {args.out}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .inspect import format_table, module_rows
+
+    meta = read_metadata(args.dir)
+    print(format_table(module_rows(args.dir, meta)))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .evaluate import perplexity
+    from .hf import is_compressed, load_model, tokenize
+
+    model, tokenizer = load_model(args.model)
+    baseline = args.baseline
+    if baseline is None and is_compressed(args.model):
+        baseline = read_metadata(args.model).get("extra", {}).get("source")
+    text = read_text(args.data, max_chars=args.seq_len * args.max_windows * 8)
+    tokens = tokenize(text, tokenizer)
+    rows = []
+    if baseline:
+        base, _ = load_model(baseline)
+        rows.append(("before", baseline, perplexity(base, tokens, seq_len=args.seq_len, max_windows=args.max_windows)))
+        del base
+    rows.append(("after" if baseline else "model", args.model,
+                 perplexity(model, tokens, seq_len=args.seq_len, max_windows=args.max_windows)))
+    for label, name, ppl in rows:
+        print(f"{label:7s} {ppl:10.3f}  {name}")
+    if len(rows) == 2:
+        print(f"change  {100 * (rows[1][2] / rows[0][2] - 1):+9.2f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

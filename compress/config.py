@@ -1,0 +1,184 @@
+"""Typed, validated configuration for every compression method.
+
+Each method has one frozen, keyword-only dataclass; invalid values fail at
+construction with a message that names the field and says how to fix it.
+Module selection: a ``nn.Linear`` is compressed when its qualified name matches
+one of ``include`` and none of ``exclude`` (``fnmatch`` patterns). By default the
+output head (``lm_head``) is left alone; embeddings are not ``nn.Linear`` and are
+never touched.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+from .uniform import SCALE_DTYPES
+
+DEFAULT_EXCLUDE: tuple[str, ...] = ("lm_head", "*.lm_head", "*embed*")
+GROUP_SIZES = (32, 64, 128)
+
+
+def _fail(cls: type, field: str, value: object, fix: str) -> None:
+    raise ValueError(f"{cls.__name__}.{field}={value!r} is invalid: {fix}")
+
+
+def _set(obj: object, name: str, value: object) -> None:
+    object.__setattr__(obj, name, value)  # resolving defaults of a frozen dataclass
+
+
+def _check_patterns(obj: object) -> None:
+    for name in ("include", "exclude"):
+        value = getattr(obj, name)
+        if isinstance(value, str):
+            value = (value,)
+        if not all(isinstance(p, str) for p in value):
+            _fail(type(obj), name, value, "give a tuple of fnmatch pattern strings, e.g. ('*.mlp.*',)")
+        _set(obj, name, tuple(value))
+
+
+def _check_scale_dtype(obj: object) -> None:
+    if obj.scale_dtype not in SCALE_DTYPES:
+        _fail(type(obj), "scale_dtype", obj.scale_dtype, f"use one of {sorted(SCALE_DTYPES)}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _QuantBase:
+    bits: int = 4
+    group_size: int | None = None
+    symmetric: bool | None = None
+    scale_dtype: str = "float16"
+    pad_groups: bool = False
+    include: tuple[str, ...] = ("*",)
+    exclude: tuple[str, ...] = DEFAULT_EXCLUDE
+
+    def __post_init__(self) -> None:
+        cls = type(self)
+        if self.bits not in (4, 8):
+            _fail(cls, "bits", self.bits, "use 4 (INT4, group-wise) or 8 (INT8, per output channel)")
+        if self.bits == 8:
+            self._resolve_int8(cls)
+        else:
+            self._resolve_int4(cls)
+        _check_scale_dtype(self)
+        _check_patterns(self)
+
+    def _resolve_int8(self, cls: type) -> None:
+        if self.group_size is not None:
+            _fail(cls, "group_size", self.group_size, "INT8 is per output channel; leave group_size unset for bits=8")
+        if self.symmetric is False:
+            _fail(cls, "symmetric", False, "INT8 is symmetric only; leave symmetric unset or True for bits=8")
+        _set(self, "symmetric", True)
+
+    def _resolve_int4(self, cls: type) -> None:
+        if self.group_size is None:
+            _set(self, "group_size", 128)
+        if self.group_size not in GROUP_SIZES:
+            _fail(cls, "group_size", self.group_size, f"use one of {GROUP_SIZES} for bits=4")
+        if self.symmetric is None:
+            _set(self, "symmetric", False)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RTNConfig(_QuantBase):
+    """Round-to-nearest weight-only quantization.
+
+    ``bits=8``: INT8, symmetric, per output channel. ``bits=4``: INT4 with one
+    scale per ``group_size`` (32/64/128, default 128) input columns, asymmetric
+    with an integer zero point unless ``symmetric=True``. ``scale_dtype`` is the
+    storage dtype of scales (fp16 by default). ``pad_groups=True`` accepts layers
+    whose ``in_features`` the group size does not divide (their last group is short).
+    """
+
+    method: ClassVar[str] = "rtn"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GPTQConfig(_QuantBase):
+    """GPTQ: quantize columns in order, pushing each column's error onto the
+    not-yet-quantized columns through the inverse Hessian ``(2 X^T X)^-1`` of the
+    layer's calibration inputs.
+
+    ``damp``: fraction of the mean Hessian diagonal added to its diagonal.
+    ``block_size``: columns updated together (lazy batch); a multiple of the
+    group size. ``act_order``: sweep columns by decreasing Hessian diagonal (with
+    static groups). ``static_groups``: fit every group's scale before the sweep
+    instead of when it is reached. Needs calibration batches
+    (``quantize_model(..., calib=...)``).
+    """
+
+    damp: float = 0.01
+    block_size: int = 128
+    act_order: bool = False
+    static_groups: bool = False
+    method: ClassVar[str] = "gptq"
+
+    def __post_init__(self) -> None:
+        _QuantBase.__post_init__(self)
+        if not 0.0 < self.damp < 1.0:
+            _fail(type(self), "damp", self.damp, "use a fraction in (0, 1), typically 0.01")
+        if self.block_size <= 0 or (self.bits == 4 and self.block_size % self.group_size):
+            _fail(type(self), "block_size", self.block_size, f"use a positive multiple of group_size={self.group_size}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _SparseBase:
+    n: int = 2
+    m: int = 4
+    quant_bits: int | None = None
+    group_size: int = 128
+    symmetric: bool = False
+    scale_dtype: str = "float16"
+    pad_groups: bool = False
+    include: tuple[str, ...] = ("*",)
+    exclude: tuple[str, ...] = DEFAULT_EXCLUDE
+
+    def __post_init__(self) -> None:
+        cls = type(self)
+        if not 2 <= self.m <= 256:
+            _fail(cls, "m", self.m, "use a block size between 2 and 256 (4 for 2:4)")
+        if not 0 < self.n < self.m:
+            _fail(cls, "n", self.n, f"keep between 1 and m-1={self.m - 1} values per block")
+        if self.quant_bits not in (None, 4):
+            _fail(cls, "quant_bits", self.quant_bits, "use None (keep floats) or 4 (INT4 kept values)")
+        if self.quant_bits and (self.group_size % self.m or (self.group_size * self.n // self.m) % 2):
+            _fail(cls, "group_size", self.group_size,
+                  f"use a multiple of m={self.m} holding an even number of kept values")
+        _check_scale_dtype(self)
+        _check_patterns(self)
+
+    @property
+    def pattern(self) -> str:
+        return f"{self.n}:{self.m}"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MagnitudeConfig(_SparseBase):
+    """N:M pruning that keeps the ``n`` largest ``|W|`` in each block of ``m``
+    input columns (default 2:4); ``quant_bits=4`` also quantizes kept values."""
+
+    method: ClassVar[str] = "magnitude"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WandaConfig(_SparseBase):
+    """N:M pruning by Wanda scores ``|W_ij| * ||X_j||_2`` (input-channel norms over
+    calibration tokens). Needs calibration batches."""
+
+    method: ClassVar[str] = "wanda"
+
+
+QuantConfig = RTNConfig | GPTQConfig
+SparseConfig = MagnitudeConfig | WandaConfig
+METHODS: dict[str, type] = {c.method: c for c in (RTNConfig, GPTQConfig, MagnitudeConfig, WandaConfig)}
+
+
+def make_config(method: str, **kwargs: object) -> QuantConfig | SparseConfig:
+    """Build the config of ``method`` (``rtn``, ``gptq``, ``magnitude``, ``wanda``) from keywords."""
+    if method not in METHODS:
+        raise ValueError(f"unknown compression method {method!r}; valid methods: {', '.join(METHODS)}")
+    cls = METHODS[method]
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no field(s) {unknown}; valid fields: {sorted(known)}")
+    return cls(**kwargs)

@@ -1,0 +1,59 @@
+"""Loading the models ``zcompress`` works on: a Hugging Face folder, a GGUF file,
+a compressed folder, or the built-in tiny Llama."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .storage import META_FILE, load_compressed
+from .tiny import TINY_NAME, byte_tokenize, tiny_llama
+
+
+def is_compressed(path: str | os.PathLike) -> bool:
+    return (Path(path) / META_FILE).is_file()
+
+
+def load_model(spec: str, *, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, object | None]:
+    """``(model, tokenizer or None)`` for ``tiny``, a compressed folder, an HF folder or a ``.gguf`` file."""
+    if spec == TINY_NAME:
+        return tiny_llama(dtype=dtype), None
+    path = Path(spec)
+    if not path.exists():
+        raise FileNotFoundError(f"model {spec!r} not found: give a Hugging Face folder, a .gguf file, a folder "
+                                f"written by zcompress, or {TINY_NAME!r}")
+    if path.is_dir() and is_compressed(path):
+        return load_compressed(path), _tokenizer(path)
+    return _load_hf(path, dtype), _tokenizer(path)
+
+
+def _load_hf(path: Path, dtype: torch.dtype) -> nn.Module:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    if path.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+        model.config.__dict__.pop("quantization_config", None)  # weights are already expanded to floats
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    return model.eval()
+
+
+def _tokenizer(path: Path):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    if path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None  # no tokenizer files: byte-level ids (the tiny model's vocabulary)
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def tokenize(text: str, tokenizer) -> torch.Tensor:
+    """Token ids ``(L,)``: the model's tokenizer, or UTF-8 bytes without one."""
+    if tokenizer is None:
+        return byte_tokenize(text)
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)

@@ -1,0 +1,180 @@
+"""Model transforms: swap selected ``nn.Linear`` modules for compressed drop-ins.
+
+[Note: layer-by-layer calibration] Methods that need data (GPTQ, Wanda) run the
+model in pieces so memory stays bounded: the inputs of the first block of the
+model's largest ``nn.ModuleList`` (the decoder layers) are captured once; then
+for each block, hooks gather statistics of its Linears' inputs over all
+calibration batches, the block's Linears are compressed and swapped, and the
+block is run again to produce the next block's inputs — with compressed weights,
+so later layers calibrate against the errors of earlier ones. Only statistics
+are kept (``calib.py``), never per-layer activations beyond one block's input.
+Linears outside the blocks (if selected) get one more full-model pass.
+"""
+from __future__ import annotations
+
+import contextlib
+from fnmatch import fnmatch
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .calib import attach_stats, detach_hooks
+from .config import GPTQConfig, MagnitudeConfig, RTNConfig, WandaConfig
+from .layer import check_linear, compress_linear, stat_type
+
+Batch = torch.Tensor | dict
+
+
+def select_linears(model: nn.Module, include: Iterable[str], exclude: Iterable[str]) -> dict[str, nn.Linear]:
+    """``nn.Linear`` modules whose names match an ``include`` and no ``exclude`` pattern."""
+    inc, exc = tuple(include), tuple(exclude)
+    return {name: mod for name, mod in model.named_modules()
+            if type(mod) is nn.Linear and any(fnmatch(name, p) for p in inc)
+            and not any(fnmatch(name, p) for p in exc)}
+
+
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def quantize_model(model: nn.Module, config: RTNConfig | GPTQConfig, *, calib: Iterable[Batch] | None = None,
+                   progress: bool = True) -> nn.Module:
+    """Replace the selected ``nn.Linear`` modules of ``model`` (in place) by :class:`QuantLinear`.
+
+    ``config``: :class:`RTNConfig` (data-free) or :class:`GPTQConfig`, which needs
+    ``calib``: batches of token ids ``(B, T)`` or dicts of model keywords. Layers
+    are processed one block at a time (see [Note: layer-by-layer calibration])
+    with a progress bar. Returns ``model``.
+    """
+    if not isinstance(config, (RTNConfig, GPTQConfig)):
+        raise TypeError(f"quantize_model takes RTNConfig or GPTQConfig, got {type(config).__name__}; "
+                        "use sparsify_model for MagnitudeConfig/WandaConfig")
+    return _compress_model(model, config, calib, progress)
+
+
+def sparsify_model(model: nn.Module, config: MagnitudeConfig | WandaConfig, *,
+                   calib: Iterable[Batch] | None = None, progress: bool = True) -> nn.Module:
+    """Prune the selected ``nn.Linear`` modules of ``model`` (in place) to N:M and
+    replace them by :class:`SparseLinear` (compressed values + positions).
+
+    ``config``: :class:`MagnitudeConfig` (data-free) or :class:`WandaConfig`, which
+    needs ``calib`` (as in :func:`quantize_model`). Returns ``model``.
+    """
+    if not isinstance(config, (MagnitudeConfig, WandaConfig)):
+        raise TypeError(f"sparsify_model takes MagnitudeConfig or WandaConfig, got {type(config).__name__}; "
+                        "use quantize_model for RTNConfig/GPTQConfig")
+    return _compress_model(model, config, calib, progress)
+
+
+def _compress_model(model: nn.Module, config, calib, progress: bool) -> nn.Module:
+    targets = select_linears(model, config.include, config.exclude)
+    if not targets:
+        raise ValueError(f"no nn.Linear matches include={config.include} and exclude={config.exclude}")
+    for name, lin in targets.items():
+        check_linear(name, lin, config)
+    make = stat_type(config)
+    with torch.no_grad():
+        if make is None:
+            for name, lin in tqdm(targets.items(), desc=f"{config.method}", disable=not progress):
+                replace_module(model, name, compress_linear(lin, config))
+            return model
+        batches = list(calib) if calib is not None else []
+        if not batches:
+            raise ValueError(f"{type(config).__name__} needs calibration data: pass calib=[token-id batches ...]")
+        _calibrated(model, targets, config, make, batches, progress)
+    return model
+
+
+def _calibrated(model: nn.Module, targets: dict[str, nn.Linear], config, make: type, batches: list,
+                progress: bool) -> None:
+    prefix, blocks = find_blocks(model, targets)
+    done: set[str] = set()
+    if blocks is not None:
+        inputs = capture_block_inputs(model, blocks[0], batches)
+        for i, block in enumerate(tqdm(blocks, desc=f"{config.method} layers", disable=not progress)):
+            names = {n: m for n, m in targets.items() if n.startswith(f"{prefix}.{i}.")}
+            _compress_group(model, names, config, make, lambda: [_run_block(block, a, kw) for a, kw in inputs])
+            inputs = [((_first(_run_block(block, a, kw)),) + tuple(a[1:]), kw) for a, kw in inputs]
+            done |= names.keys()
+    rest = {n: m for n, m in targets.items() if n not in done}
+    if rest:
+        _compress_group(model, rest, config, make, lambda: [_run_model(model, b) for b in batches])
+
+
+def _compress_group(model: nn.Module, linears: dict[str, nn.Linear], config, make: type, run) -> None:
+    """Gather statistics for ``linears`` while ``run()`` executes, then compress and swap them."""
+    if not linears:
+        return
+    stats, handles = attach_stats(linears, make)
+    try:
+        run()
+    finally:
+        detach_hooks(handles)
+    for name, lin in linears.items():
+        replace_module(model, name, compress_linear(lin, config, stats.pop(name)))
+
+
+def find_blocks(model: nn.Module, targets: dict[str, nn.Linear]) -> tuple[str, nn.ModuleList | None]:
+    """The ``nn.ModuleList`` holding the most target Linears (e.g. ``model.layers``), with its name."""
+    best, best_count = ("", None), 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
+            count = sum(1 for t in targets if t.startswith(f"{name}."))
+            if count > best_count:
+                best, best_count = (name, mod), count
+    return best
+
+
+class _Captured(Exception):
+    pass
+
+
+def capture_block_inputs(model: nn.Module, block: nn.Module, batches: list) -> list[tuple[tuple, dict]]:
+    """Run ``model`` on each batch up to ``block`` and record its ``(args, kwargs)``."""
+    inputs: list[tuple[tuple, dict]] = []
+
+    def grab(_mod, args, kwargs):
+        inputs.append((args, kwargs))
+        raise _Captured
+
+    handle = block.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        for batch in batches:
+            with contextlib.suppress(_Captured):
+                _run_model(model, batch)
+    finally:
+        handle.remove()
+    if len(inputs) != len(batches):
+        raise ValueError(f"only {len(inputs)} of {len(batches)} calibration batches reached the first block "
+                         f"({type(block).__name__}); check the batches are valid model inputs")
+    return inputs
+
+
+def _run_model(model: nn.Module, batch: Batch):
+    with _no_cache(model):
+        return model(**batch) if isinstance(batch, dict) else model(batch)
+
+
+def _run_block(block: nn.Module, args: tuple, kwargs: dict):
+    return block(*args, **kwargs)
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+@contextlib.contextmanager
+def _no_cache(model: nn.Module) -> Iterator[None]:
+    """HF models: no KV cache while calibrating (it would grow across blocks)."""
+    cfg = getattr(model, "config", None)
+    old = getattr(cfg, "use_cache", None)
+    if old is not None:
+        cfg.use_cache = False
+    try:
+        yield
+    finally:
+        if old is not None:
+            cfg.use_cache = old

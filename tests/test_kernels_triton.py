@@ -1,0 +1,125 @@
+"""Every Triton kernel, run by Triton's CPU interpreter, equals its plain-PyTorch reference.
+
+TRITON_INTERPRET must be set before triton is first imported (triton's own
+``tl`` helpers are built at import); zspeed imports triton lazily for that
+reason (kernels/_runtime.py, [Note: lazy triton]). If some earlier test module
+already imported triton in compiled mode, the in-process tests cannot run the
+interpreter, so they are skipped and ``test_kernels_in_subprocess`` runs this
+same file in a fresh interpreter instead.
+"""
+import os
+import subprocess
+import sys
+
+_TRITON_WAS_IMPORTED = "triton" in sys.modules
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from zspeed.compress.formats import quantize_int4, quantize_int8  # noqa: E402
+from zspeed.compress.nm import compress_nm, prune_nm  # noqa: E402
+from zspeed.kernels import (sparse24_matmul, sparse24_ref, sparse24_w4a16_matmul, sparse24_w4a16_ref,  # noqa: E402
+                            w4a16_matmul, w4a16_ref, w8a16_matmul, w8a16_ref)
+
+IN_PROCESS = not _TRITON_WAS_IMPORTED or os.environ.get("ZSPEED_KERNEL_SUBPROCESS") == "1"
+needs_interp = pytest.mark.skipif(not IN_PROCESS, reason="triton was imported before TRITON_INTERPRET was set; "
+                                  "test_kernels_in_subprocess runs these tests in a fresh process")
+pytest.importorskip("triton")
+
+# (M, N, K): odd M, N not a multiple of the 32-wide tiles, K both aligned and not.
+SHAPES = [(1, 48, 64), (3, 160, 96), (17, 72, 256)]
+PATHS = ["splitk", "tiled", "dense"]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    scale = ref.float().abs().max().clamp(min=1.0)
+    err = ((out.float() - ref.float()).abs().max() / scale).item()
+    assert err <= TOL[dtype], f"relative error {err:.3g} > {TOL[dtype]}"
+
+
+def _inputs(m, n, k, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g)
+
+
+@needs_interp
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_w8a16_matches_reference(m, n, k, path):
+    dtype = [torch.float32, torch.bfloat16, torch.float16][m % 3]
+    x, w = _inputs(m, n, k, dtype)
+    q = quantize_int8(w)
+    _close(w8a16_matmul(x, q.qweight, q.scales, path=path), w8a16_ref(x, q.qweight, q.scales), dtype)
+
+
+@needs_interp
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("m,n,k,group,sym", [(1, 48, 64, 32, False), (3, 160, 128, 64, True),
+                                             (17, 72, 256, 128, False), (3, 48, 96, 64, False)])
+def test_w4a16_matches_reference(m, n, k, group, sym, path):
+    dtype = [torch.float32, torch.bfloat16, torch.float16][m % 3]
+    x, w = _inputs(m, n, k, dtype, seed=1)
+    q = quantize_int4(w, group_size=group, symmetric=sym, pad_groups=True)  # K=96, G=64: a short last group
+    ref = w4a16_ref(x, q.qweight, q.scales, q.zeros, group)
+    _close(w4a16_matmul(x, q.qweight, q.scales, q.zeros, group, path=path), ref, dtype)
+
+
+@needs_interp
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("m,n,k", [(1, 48, 64), (3, 160, 72), (17, 72, 256)])
+def test_sparse24_matches_reference(m, n, k, path):
+    dtype = [torch.float32, torch.bfloat16, torch.float16][m % 3]
+    x, w = _inputs(m, n, k, dtype, seed=2)
+    s = compress_nm(prune_nm(w, w.abs(), n=2, m=4))
+    values = s.values.to(dtype)
+    _close(sparse24_matmul(x, values, s.meta, path=path), sparse24_ref(x, values, s.meta), dtype)
+
+
+@needs_interp
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("m,n,k,group,sym", [(1, 48, 64, 32, False), (3, 160, 128, 64, True),
+                                             (17, 72, 256, 128, False)])
+def test_sparse24_int4_matches_reference(m, n, k, group, sym, path):
+    dtype = [torch.float32, torch.bfloat16, torch.float16][m % 3]
+    x, w = _inputs(m, n, k, dtype, seed=3)
+    s = compress_nm(prune_nm(w, w.abs(), n=2, m=4))
+    q = quantize_int4(s.values, group_size=group // 2, symmetric=sym)  # groups over kept values
+    ref = sparse24_w4a16_ref(x, q.qweight, s.meta, q.scales, q.zeros, group)
+    _close(sparse24_w4a16_matmul(x, q.qweight, s.meta, q.scales, q.zeros, group, path=path), ref, dtype)
+
+
+@needs_interp
+def test_references_agree_with_the_formats():
+    """The kernels' references compute x @ W^T for the W that zspeed.compress dequantizes."""
+    x, w = _inputs(5, 40, 128, torch.float32, seed=4)
+    q4 = quantize_int4(w, group_size=32)
+    torch.testing.assert_close(w4a16_ref(x, q4.qweight, q4.scales, q4.zeros, 32), x @ q4.dequantize().t())
+    q8 = quantize_int8(w)
+    torch.testing.assert_close(w8a16_ref(x, q8.qweight, q8.scales), x @ q8.dequantize().t())
+    s = compress_nm(prune_nm(w, w.abs()))
+    torch.testing.assert_close(sparse24_ref(x, s.values, s.meta), x @ s.dequantize().t())
+
+
+@needs_interp
+def test_bad_shapes_are_rejected():
+    x, w = _inputs(2, 48, 64, torch.float32)
+    q = quantize_int8(w)
+    with pytest.raises(ValueError, match=r"x must be \(M, 64\)"):
+        w8a16_matmul(x[:, :32], q.qweight, q.scales)
+    with pytest.raises(ValueError, match="unknown path"):
+        w8a16_matmul(x, q.qweight, q.scales, path="fastest")
+
+
+def _run_in_subprocess():
+    """Runs this file with the interpreter on when this process cannot (see module docstring)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "ZSPEED_KERNEL_SUBPROCESS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+if not IN_PROCESS:
+    test_kernels_in_subprocess = _run_in_subprocess

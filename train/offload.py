@@ -1,0 +1,354 @@
+"""Optimizer offload (ZeRO-Offload, stages 1-3): fp32 masters and optimizer state on the host or NVMe.
+
+One mechanism for every stage; the stage only decides where a group's reduced
+gradient comes from (stage 1: reduced at the boundary; stages 2-3: each
+group's reduce-scatter during backward) and where its updated 16-bit chunk goes
+(stages 1-2: ``full[lo:hi]`` then an all-gather; stage 3: the device ``shard``,
+or the parameter store with parameter offload, :mod:`zspeed.train.param_offload`).
+
+[Note: the offloaded step]
+1. Backward, last micro-batch of a step: as soon as a group's gradient chunk
+   is reduced, it leaves the device on the D2H stream (non-blocking, into a
+   pinned buffer) and its squared norm is taken there (a device scalar).
+2. ``step()``: one all-reduce of the summed squares gives the global norm,
+   which gates the step (fp16 overflow) and sets the clip coefficient.
+3. A worker thread updates group after group: wait for the group's gradient,
+   unscale and clip it, run torch's optimizer (fused AdamW on the CPU) on that
+   master only (the other masters have no ``.grad``, so torch skips them), and
+   cast the master into a pinned 16-bit buffer. With NVMe the master and its
+   states are read from the store first (the next group's read is in flight
+   while this one updates) and written back after.
+4. Meanwhile the main thread takes the groups in the same order: it copies each
+   updated 16-bit chunk to the device on the H2D stream and all-gathers it, so
+   the upload and gather of group i overlap the update of group i+1.
+The step ends when the last group is home.
+"""
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..core.comm import ReduceOp, all_reduce
+from ..core.store import StoreConfig, TensorStore, Tier
+from ..core.topology import Topology
+from .config_schema import OffloadDevice, OffloadOptimizerConfig, ZSpeedConfig
+from .loss_scaler import LossScaler
+from .optimizer_step import StepOutcome
+from .param_group_state import FlatParamGroup
+from .param_offload import ParamOffload
+from .stage_policy import StagePolicy
+from .units import Unit
+
+__all__ = ["OptimizerOffload", "OffloadStepper", "build_offload", "adopt_unit", "units_in_flight"]
+
+
+def build_offload(config: ZSpeedConfig, *, policy: StagePolicy,
+                  topo: Topology) -> tuple["OptimizerOffload | None", ParamOffload | None]:
+    """The offload objects ``config.zero_optimization`` asks for (None where it asks for none)."""
+    z = config.zero_optimization
+    opt = OptimizerOffload(config=z.offload_optimizer, policy=policy, topo=topo) if z.offload_optimizer.enabled \
+        else None
+    par = ParamOffload(config=z.offload_param, topo=topo) if z.offload_param.enabled else None
+    if opt is not None:
+        opt.shard_sink = par
+    return opt, par
+
+
+def adopt_unit(unit: Unit, opt: "OptimizerOffload | None", par: ParamOffload | None) -> None:
+    """Move a freshly initialised unit's state off the device (masters first, then 16-bit chunks)."""
+    if opt is not None:
+        for k, g in enumerate(unit.groups):
+            opt.adopt(g, f"u{unit.index}.{k}")
+    if par is not None:
+        par.adopt(unit)
+
+
+def units_in_flight(hooks) -> int:
+    """The most units stage 3 gathers at once: one, plus as many as its prefetch window can hold."""
+    total, n = 0, 0
+    for numel in sorted(u.numel for u in hooks.units):
+        if total >= hooks.prefetch_numel:
+            break
+        total, n = total + numel, n + 1
+    return n + 1
+
+
+@dataclass(eq=False)
+class _Host:
+    """One trainable group's host side."""
+
+    group: FlatParamGroup
+    key: str
+    grad: torch.Tensor | None = None  # pinned: the reduced gradient chunk, as the device had it
+    out: torch.Tensor | None = None  # pinned: the updated chunk in the compute dtype
+    norm_sq: torch.Tensor | None = None  # device scalar: this chunk's squared gradient norm
+    grad_ready: Any = None  # event after the D2H copy
+    uploaded: Any = None  # event after the H2D copy of ``out``
+    sent: bool = False
+    names: tuple[str, ...] = ("master",)  # NVMe: the arrays the store holds for this group
+
+
+class OptimizerOffload:
+    """Masters and optimizer state off the device; see [Note: the offloaded step]."""
+
+    def __init__(self, *, config: OffloadOptimizerConfig, policy: StagePolicy, topo: Topology):
+        self.config, self.policy, self.topo = config, policy, topo
+        self.device = topo.device
+        # Gradients leave on their own stream so the copies overlap backward's compute and reductions.
+        self.d2h = self.device.new_stream()
+        # Updated parameters come back on another, overlapping the CPU update of the next group.
+        self.h2d = self.device.new_stream()
+        self.hosts: dict[int, _Host] = {}
+        self.order: list[_Host] = []
+        self.boundary = False
+        self.shard_sink = None  # a ParamOffload at stage 3 with parameter offload
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="zspeed-cpu-optim")
+        self.store = self._open_store() if config.device is OffloadDevice.NVME else None
+
+    def _open_store(self) -> TensorStore:
+        path = Path(self.config.nvme_path) / f"zspeed_optimizer_rank{self.topo.rank}"
+        return TensorStore(config=StoreConfig(tier=Tier.DISK, path=path), device=self.device)
+
+    # -- construction ------------------------------------------------------------------------
+    def adopt(self, g: FlatParamGroup, key: str) -> None:
+        """Move a freshly initialised group's master off the device (stage 3: keep a 16-bit device chunk)."""
+        if not g.trainable:
+            return
+        if self.policy.shard_params:
+            g.shard = g.master.to(g.dtype, copy=True)  # the gather source (see [Note: no 16-bit shard])
+        host = torch.empty(g.master.shape, dtype=torch.float32, pin_memory=self._pin)
+        host.copy_(g.master)
+        h = _Host(group=g, key=key)
+        if self.store is not None:
+            self.store.put(f"{key}/master", host)
+            host = torch.empty(0, dtype=torch.float32)
+        g.master = host
+        self.hosts[id(g)] = h
+        self.order.append(h)
+
+    @property
+    def _pin(self) -> bool:
+        return self.config.pin_memory and self.device.can_pin
+
+    def attach(self, groups: list[FlatParamGroup]) -> None:
+        """Stages 2-3: send each group's gradient as soon as its reduction is issued."""
+        if not self.policy.shard_grads:
+            return
+        for g in groups:
+            if g.trainable:
+                g.on_grads_reduced = _chain(self._on_reduced, g.on_grads_reduced)
+
+    # -- backward ----------------------------------------------------------------------------
+    def arm(self, boundary: bool) -> None:
+        """Called before each backward: only the last micro-batch of a step sends gradients."""
+        self.boundary = boundary
+        if boundary:
+            for h in self.order:
+                h.sent = False
+
+    def _on_reduced(self, g: FlatParamGroup) -> None:
+        # On CUDA the reduction (and its accumulation into grad_shard) is queued on the reduce stream
+        # (the current stream without a comm context), so the copy can follow it at once. On the CPU it
+        # completes in wait_reductions(), after backward; collect() sends it then.
+        if self.boundary and self.device.is_cuda:
+            after = g.comm.reduce_stream if g.comm is not None else self.device.current_stream()
+            self._send(self.hosts[id(g)], g.grad_shard, after=after)
+
+    def collect(self, g: FlatParamGroup) -> None:
+        """After backward at the boundary: send the group's gradient if the reduction hook did not."""
+        h = self.hosts[id(g)]
+        if h.sent:
+            return
+        if self.policy.shard_grads:
+            grad = g.grad_shard if g.grad_shard is not None else torch.zeros(
+                g.hi - g.lo, dtype=g.dtype, device=self.device.device)
+        else:
+            grad = g.reduced_full_grad()
+        self._send(h, grad, after=self.device.current_stream())
+
+    def _send(self, h: _Host, grad: torch.Tensor, *, after) -> None:
+        dev = self.device
+        if h.grad is None or h.grad.dtype != grad.dtype:
+            h.grad = dev.pinned_empty(grad.shape, dtype=grad.dtype)
+        self.d2h.wait_stream(after)
+        with dev.use_stream(self.d2h):
+            h.norm_sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+            h.grad.copy_(grad, non_blocking=True)
+            h.grad_ready = dev.new_event()
+            h.grad_ready.record(self.d2h)
+        dev.record_stream(grad, self.d2h)
+        h.sent = True
+
+    # -- the step ----------------------------------------------------------------------------
+    def grad_norm_sq(self) -> torch.Tensor:
+        """This rank's sum of squared gradient elements (a device scalar, fp32)."""
+        if not self.order:
+            return torch.zeros((), dtype=torch.float32, device=self.device.device)
+        self.device.current_stream().wait_stream(self.d2h)
+        return torch.stack([h.norm_sq for h in self.order]).sum()
+
+    def discard(self) -> None:
+        """A skipped step: let the copies in flight finish, update nothing."""
+        for h in self.order:
+            if h.grad_ready is not None:
+                h.grad_ready.synchronize()
+
+    def step(self, optimizer: torch.optim.Optimizer, grad_scale: float) -> None:
+        """Update every group (``grad × grad_scale`` is the gradient) and publish the new parameters."""
+        reads = self._read_states(self.order[0]) if self.order and self.store is not None else None
+        futures: list[Future] = []
+        for i, h in enumerate(self.order):
+            nxt = self.order[i + 1] if i + 1 < len(self.order) else None
+            futures.append(self._worker.submit(self._update, h, optimizer, grad_scale, reads, nxt))
+            reads = futures[-1]  # the worker hands the next group's pending reads along
+        for h, f in zip(self.order, futures):
+            f.result()
+            self._upload(h)
+        if self.shard_sink is not None:
+            self.shard_sink.after_update()
+
+    def _update(self, h: _Host, optimizer, grad_scale: float, reads, nxt: _Host | None):
+        if isinstance(reads, Future):
+            reads = reads.result()
+        h.grad_ready.synchronize()
+        grad = h.grad.to(torch.float32) if h.grad.dtype != torch.float32 else h.grad
+        if grad_scale != 1.0:
+            grad.mul_(grad_scale)
+        master = h.group.master
+        if self.store is not None:
+            self._swap_in(h, optimizer, reads)
+        next_reads = self._read_states(nxt) if (nxt is not None and self.store is not None) else None
+        master.grad = grad
+        optimizer.step()
+        master.grad = None
+        if h.uploaded is not None:
+            h.uploaded.synchronize()  # the previous step's upload of ``out`` is done
+        if h.out is None:
+            h.out = self.device.pinned_empty(master.shape, dtype=h.group.dtype)
+        h.out.copy_(master)
+        if self.store is not None:
+            self._swap_out(h, optimizer)
+        return next_reads
+
+    def _upload(self, h: _Host) -> None:
+        g = h.group
+        if self.shard_sink is not None and self.shard_sink.owns(g):
+            self.shard_sink.write(g, h.out)
+            return
+        dst = g.shard if self.policy.shard_params else g.full[g.lo:g.hi]
+        dev = self.device
+        self.h2d.wait_stream(dev.current_stream())
+        with dev.use_stream(self.h2d):
+            dst.copy_(h.out, non_blocking=True)
+            h.uploaded = dev.new_event()
+            h.uploaded.record(self.h2d)
+        dev.current_stream().wait_stream(self.h2d)
+        g.regather()
+
+    # -- NVMe: masters and states in the store -------------------------------------------------
+    def _read_states(self, h: _Host) -> dict[str, Future]:
+        return {name: self.store.get_async(f"{h.key}/{name}") for name in h.names}
+
+    def _swap_in(self, h: _Host, optimizer, reads: dict[str, Future]) -> None:
+        values = {name: f.result() for name, f in reads.items()}
+        h.group.master.data = values.pop("master")
+        state = optimizer.state.get(h.group.master)
+        if state is not None:
+            state.update(values)
+
+    def _swap_out(self, h: _Host, optimizer) -> None:
+        master = h.group.master
+        self.store.put_async(f"{h.key}/master", master.data)
+        names = ["master"]
+        for k, v in optimizer.state.get(master, {}).items():
+            if isinstance(v, torch.Tensor) and v.numel() == master.numel() and v.numel() > 1:
+                self.store.put_async(f"{h.key}/{k}", v)
+                optimizer.state[master][k] = torch.empty(0)
+                names.append(k)
+        h.names = tuple(names)
+        master.data = torch.empty(0, dtype=torch.float32)
+
+    # -- checkpoints and views -------------------------------------------------------------------
+    def arrays(self, g: FlatParamGroup) -> dict[str, torch.Tensor]:
+        """The master and state arrays of a group (host copies for NVMe), for checkpoints."""
+        from .checkpoint_state import local_arrays
+
+        if self.store is None:
+            return local_arrays(g, self._optimizer)
+        h = self.hosts[id(g)]
+        self.store.flush()
+        return {name: self.store.get(f"{h.key}/{name}") for name in h.names}
+
+    def master_values(self, g: FlatParamGroup) -> torch.Tensor:
+        if self.store is None:
+            return g.master
+        self.store.flush()
+        return self.store.get(f"{self.hosts[id(g)].key}/master")
+
+    def load_arrays(self, g: FlatParamGroup, arrays: dict[str, torch.Tensor], scalars: dict[str, Any]) -> None:
+        """Install loaded arrays (master and states) and publish the group's new parameters."""
+        from .checkpoint_state import set_local_arrays
+
+        h = self.hosts[id(g)]
+        if self.store is None:
+            set_local_arrays(g, self._optimizer, arrays, scalars)
+        else:
+            for name, t in arrays.items():
+                self.store.put(f"{h.key}/{name}", t.contiguous())
+            h.names = tuple(arrays)
+            if len(arrays) > 1:
+                self._optimizer.state[g.master] = {k: _step_tensor(v) if k == "step" else v
+                                                   for k, v in scalars.items()}
+        h.out = self.device.pinned_empty((g.hi - g.lo,), dtype=g.dtype)
+        h.out.copy_(arrays["master"])
+        self._upload(h)
+
+    def bind(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer = optimizer
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+        if self.store is not None:
+            self.store.close()
+
+
+def _step_tensor(value: float) -> torch.Tensor:
+    return torch.tensor(float(value), dtype=torch.float32)
+
+
+def _chain(first, then):
+    def both(g: FlatParamGroup) -> None:
+        first(g)
+        if then is not None:
+            then(g)
+    return both
+
+
+class OffloadStepper:
+    """:class:`~zspeed.train.optimizer_step.MasterOptimizer`'s role when the optimizer is offloaded."""
+
+    def __init__(self, *, offload: OptimizerOffload, optimizer: torch.optim.Optimizer, topo: Topology,
+                 scaler: LossScaler | None = None, clip_norm: float = 0.0):
+        self.offload, self.optimizer, self.topo, self.scaler, self.clip_norm = offload, optimizer, topo, scaler, clip_norm
+        offload.bind(optimizer)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.loss_scale if self.scaler is not None else 1.0
+
+    def step(self) -> StepOutcome:
+        scale = self.loss_scale
+        sq = self.offload.grad_norm_sq().reshape(1)
+        all_reduce(sq, topo=self.topo, op=ReduceOp.SUM)  # see [Note: the global gradient norm]
+        norm = float(sq.sqrt().item()) / scale
+        if self.scaler is not None and not self.scaler.update(not math.isfinite(norm)):
+            self.offload.discard()
+            return StepOutcome(applied=False, grad_norm=math.nan, loss_scale=scale)
+        coef = min(1.0, self.clip_norm / (norm + 1e-6)) if self.clip_norm > 0 else 1.0
+        self.offload.step(self.optimizer, coef / scale)
+        return StepOutcome(applied=True, grad_norm=norm, loss_scale=scale)
