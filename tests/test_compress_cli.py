@@ -5,7 +5,6 @@ import pytest
 
 from zspeed.compress.cli import main
 
-pytest.importorskip("transformers")
 
 WORDS = "the of and to in a is was for on that with as by his at from it an were which are this be also".split()
 

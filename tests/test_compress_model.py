@@ -9,7 +9,6 @@ from zspeed.compress import (GPTQConfig, MagnitudeConfig, QuantLinear, RTNConfig
 from zspeed.compress.layer import quantize_linear, sparsify_linear
 from zspeed.compress.tiny import tiny_llama
 
-pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from zspeed.compress import (CompressedFormatError, GPTQConfig, MagnitudeConfig,
 from zspeed.compress.storage import FORMAT_VERSION, META_FILE, TENSOR_FILE
 from zspeed.compress.tiny import tiny_llama
 
-pytest.importorskip("transformers")
 
 IDS = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
 CALIB = [torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(i)) for i in range(2)]
