@@ -1,6 +1,7 @@
 """``zcompress``: quantize, sparsify, inspect and evaluate models from the shell.
 
     zcompress quantize --model DIR --bits 4 --group-size 128 --method gptq --calib FILE --out DIR
+    zcompress quantize --model DIR --method nf4 --blocksize 64 --out DIR
     zcompress sparsify --model DIR --pattern 2:4 --method wanda --calib FILE --out DIR
     zcompress inspect DIR
     zcompress eval --model DIR --data FILE
@@ -14,11 +15,11 @@ import argparse
 import sys
 import time
 
-from .config import GPTQConfig, MagnitudeConfig, RTNConfig, WandaConfig
+from .config import GPTQConfig, MagnitudeConfig, NF4Config, RTNConfig, WandaConfig
 from .data import read_text, windows
 from .storage import CompressedFormatError, compressed_modules, read_metadata, save_compressed
 
-QUANT_METHODS = {"rtn": RTNConfig, "gptq": GPTQConfig}
+QUANT_METHODS = {"rtn": RTNConfig, "gptq": GPTQConfig, "nf4": NF4Config}
 SPARSE_METHODS = {"magnitude": MagnitudeConfig, "wanda": WandaConfig}
 
 
@@ -40,11 +41,13 @@ def _common(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zcompress", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    q = sub.add_parser("quantize", help="weight-only INT8/INT4 quantization")
+    q = sub.add_parser("quantize", help="weight-only INT8/INT4/NF4 quantization")
     q.add_argument("--bits", type=int, choices=(4, 8), default=4)
     q.add_argument("--method", default="rtn", help=f"one of {sorted(QUANT_METHODS)}")
     q.add_argument("--act-order", action="store_true", help="gptq: sweep columns by decreasing Hessian diagonal")
     q.add_argument("--damp", type=float, default=0.01, help="gptq: diagonal damping fraction (default 0.01)")
+    q.add_argument("--blocksize", type=int, default=64, help="nf4: weights per absmax block (default 64)")
+    q.add_argument("--compute-dtype", default=None, help="nf4: matmul dtype (default: the input's)")
     _common(q)
     s = sub.add_parser("sparsify", help="N:M pruning, stored compressed")
     s.add_argument("--pattern", default="2:4", help="N:M, e.g. 2:4 (default)")
@@ -76,6 +79,8 @@ def _config(args: argparse.Namespace):
     exclude = {} if args.exclude is None else {"exclude": tuple(args.exclude)}
     if args.command == "quantize":
         cls = _pick(QUANT_METHODS, args.method, "quantize")
+        if cls is NF4Config:
+            return _nf4_config(args, exclude)
         group = {} if args.bits == 8 else {"group_size": args.group_size, "symmetric": args.symmetric}
         gptq = {"act_order": args.act_order, "damp": args.damp} if cls is GPTQConfig else {}
         return cls(bits=args.bits, pad_groups=args.pad_groups, **group, **gptq, **exclude)
@@ -83,6 +88,14 @@ def _config(args: argparse.Namespace):
     n, m = _pattern(args.pattern)
     return cls(n=n, m=m, quant_bits=4 if args.int4 else None, group_size=args.group_size,
                symmetric=args.symmetric, pad_groups=args.pad_groups, **exclude)
+
+
+def _nf4_config(args: argparse.Namespace, exclude: dict) -> NF4Config:
+    if args.bits != 4:
+        raise ValueError(f"--method nf4 is 4-bit: drop --bits {args.bits}")
+    if args.group_size != 128 or args.symmetric or args.pad_groups:
+        raise ValueError("--group-size/--symmetric/--pad-groups are INT4 options; nf4 takes --blocksize")
+    return NF4Config(blocksize=args.blocksize, compute_dtype=args.compute_dtype, **exclude)
 
 
 def _pick(methods: dict, name: str, command: str) -> type:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
+from .nf4 import NF4_BLOCKSIZES
 from .uniform import SCALE_DTYPES
 
 DEFAULT_EXCLUDE: tuple[str, ...] = ("lm_head", "*.lm_head", "*embed*")
@@ -121,6 +122,34 @@ class GPTQConfig(_QuantBase):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class NF4Config:
+    """NF4 (4-bit NormalFloat, as in QLoRA and bitsandbytes): per block of
+    ``blocksize`` consecutive weights of a row, an fp32 absmax and 16-value
+    NormalFloat codes; round to nearest, data-free. Runs bitsandbytes' kernels
+    on CUDA (``pip install 'zspeed[quant]'``), a plain-PyTorch reference elsewhere.
+
+    ``blocksize``: one of 32..4096 (powers of two, default 64) dividing every
+    selected layer's ``in_features``. ``compute_dtype``: the dtype the matmul runs
+    in (``None``: the input's dtype); outputs are cast back to the input's dtype.
+    """
+
+    blocksize: int = 64
+    compute_dtype: str | None = None
+    include: tuple[str, ...] = ("*",)
+    exclude: tuple[str, ...] = DEFAULT_EXCLUDE
+    method: ClassVar[str] = "nf4"
+    bits: ClassVar[int] = 4
+
+    def __post_init__(self) -> None:
+        if self.blocksize not in NF4_BLOCKSIZES:
+            _fail(type(self), "blocksize", self.blocksize, f"use one of {NF4_BLOCKSIZES} (64 is bitsandbytes' default)")
+        if self.compute_dtype is not None and self.compute_dtype not in SCALE_DTYPES:
+            _fail(type(self), "compute_dtype", self.compute_dtype,
+                  f"use None (the input's dtype) or one of {sorted(SCALE_DTYPES)}")
+        _check_patterns(self)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class _SparseBase:
     n: int = 2
     m: int = 4
@@ -167,13 +196,13 @@ class WandaConfig(_SparseBase):
     method: ClassVar[str] = "wanda"
 
 
-QuantConfig = RTNConfig | GPTQConfig
+QuantConfig = RTNConfig | GPTQConfig | NF4Config
 SparseConfig = MagnitudeConfig | WandaConfig
-METHODS: dict[str, type] = {c.method: c for c in (RTNConfig, GPTQConfig, MagnitudeConfig, WandaConfig)}
+METHODS: dict[str, type] = {c.method: c for c in (RTNConfig, GPTQConfig, NF4Config, MagnitudeConfig, WandaConfig)}
 
 
 def make_config(method: str, **kwargs: object) -> QuantConfig | SparseConfig:
-    """Build the config of ``method`` (``rtn``, ``gptq``, ``magnitude``, ``wanda``) from keywords."""
+    """Build the config of ``method`` (``rtn``, ``gptq``, ``nf4``, ``magnitude``, ``wanda``) from keywords."""
     if method not in METHODS:
         raise ValueError(f"unknown compression method {method!r}; valid methods: {', '.join(METHODS)}")
     cls = METHODS[method]

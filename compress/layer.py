@@ -6,10 +6,11 @@ import torch
 from torch import nn
 
 from .calib import ColumnNormStat, HessianStat
-from .config import GPTQConfig, MagnitudeConfig, RTNConfig, WandaConfig
+from .config import GPTQConfig, MagnitudeConfig, NF4Config, RTNConfig, WandaConfig
 from .formats import check_group_size, quantize_int4, quantize_int8
 from .gptq import gptq_quantize
-from .modules import QuantLinear, SparseLinear
+from .modules import NF4Linear, QuantLinear, SparseLinear
+from .nf4 import check_nf4_shape, quantize_nf4
 from .nm import NMWeight, check_nm_shape, compress_nm, prune_nm
 from .uniform import SCALE_DTYPES
 
@@ -22,6 +23,9 @@ def stat_type(config) -> type | None:
 def check_linear(name: str, linear: nn.Linear, config) -> None:
     """Fail early, naming the module, when its shape does not fit the format."""
     k = linear.in_features
+    if isinstance(config, NF4Config):
+        check_nf4_shape(k, config.blocksize, name=name)
+        return
     if isinstance(config, (RTNConfig, GPTQConfig)):
         if config.bits == 4:
             check_group_size(k, config.group_size, name=name, pad_groups=config.pad_groups)
@@ -45,6 +49,13 @@ def quantize_linear(linear: nn.Linear, config: RTNConfig | GPTQConfig, stat: Hes
         q = quantize_int4(w, group_size=config.group_size, symmetric=config.symmetric, scale_dtype=sdt,
                           pad_groups=config.pad_groups)
     return QuantLinear.from_weight(q, linear.bias, dtype=w.dtype)
+
+
+def nf4_linear(linear: nn.Linear, config: NF4Config) -> NF4Linear:
+    """NF4 by round-to-nearest (the plain-PyTorch reference; bitsandbytes' quantizer gives the same codes)."""
+    w = linear.weight.detach()
+    q = quantize_nf4(w, blocksize=config.blocksize)
+    return NF4Linear.from_weight(q, linear.bias, compute_dtype=config.compute_dtype, dtype=w.dtype)
 
 
 def prune_scores(w: torch.Tensor, config: MagnitudeConfig | WandaConfig,
@@ -75,7 +86,9 @@ def sparsify_linear(linear: nn.Linear, config: MagnitudeConfig | WandaConfig,
 def compress_linear(linear: nn.Linear, config, stat=None) -> nn.Module:
     """The drop-in module for ``linear`` under ``config``; its ``compress_stats``
     record the weight error (``save_compressed`` writes them, ``zcompress inspect`` shows them)."""
-    if isinstance(config, (RTNConfig, GPTQConfig)):
+    if isinstance(config, NF4Config):
+        new = nf4_linear(linear, config)
+    elif isinstance(config, (RTNConfig, GPTQConfig)):
         new = quantize_linear(linear, config, stat)
     else:
         new = sparsify_linear(linear, config, stat)

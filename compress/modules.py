@@ -1,8 +1,9 @@
 """Drop-in replacements for ``nn.Linear`` holding compressed weights.
 
-Both run through the ``zspeed::*`` custom ops: the Triton kernels on CUDA, the
-plain-PyTorch references elsewhere. Compressed tensors are buffers (not
-parameters), so ``state_dict`` holds exactly what is saved.
+``QuantLinear`` and ``SparseLinear`` run through the ``zspeed::*`` custom ops: the
+Triton kernels on CUDA, the plain-PyTorch references elsewhere. ``NF4Linear``
+runs bitsandbytes' kernels on CUDA and its reference elsewhere. Compressed
+tensors are buffers (not parameters), so ``state_dict`` holds exactly what is saved.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import nn
 import zspeed.kernels  # noqa: F401  (registers the torch.ops.zspeed custom ops)
 
 from .formats import Int4Weight, Int8Weight, check_group_size
+from .nf4 import NF4Weight, bnb_matmul, check_nf4_shape
 from .nm import NMWeight, check_nm_shape
 from .packing import index_bits
 from .uniform import SCALE_DTYPES
@@ -182,3 +184,66 @@ class SparseLinear(nn.Module):
     def extra_repr(self) -> str:
         q = f", int4 group_size={self.group_size}" if self.quant_bits else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, pattern={self.n}:{self.m}{q}"
+
+
+class NF4Linear(nn.Module):
+    """``nn.Linear`` with NF4 weights in bitsandbytes' layout (``zspeed.compress.nf4``).
+
+    On CUDA the matmul is ``bitsandbytes.matmul_4bit`` (an ``ImportError`` naming
+    ``pip install 'zspeed[quant]'`` if bitsandbytes is missing); elsewhere the weight
+    is dequantized by the plain-PyTorch reference. ``compute_dtype`` (``None``: the
+    input's) is the dtype the matmul runs in; the output has the input's dtype.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, blocksize: int = 64, compute_dtype: str | None = None,
+                 bias: bool = True, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__()
+        check_nf4_shape(in_features, blocksize)
+        if compute_dtype is not None and compute_dtype not in SCALE_DTYPES:
+            raise ValueError(f"NF4Linear: compute_dtype={compute_dtype!r} is invalid; use None or {sorted(SCALE_DTYPES)}")
+        self.in_features, self.out_features = in_features, out_features
+        self.blocksize, self.compute_dtype = blocksize, compute_dtype
+        numel = in_features * out_features
+        self.register_buffer("qweight", torch.empty(_cdiv(numel, 2), dtype=torch.uint8, device=device))
+        self.register_buffer("absmax", torch.empty(_cdiv(numel, blocksize), dtype=torch.float32, device=device))
+        self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if bias else None)
+
+    @classmethod
+    def from_weight(cls, q: NF4Weight, bias: torch.Tensor | None, *, compute_dtype: str | None = None,
+                    dtype: torch.dtype = torch.float32) -> "NF4Linear":
+        """Wrap an already quantized weight (and optional float bias)."""
+        n, k = q.shape
+        mod = cls(k, n, blocksize=q.blocksize, compute_dtype=compute_dtype, bias=bias is not None, dtype=dtype,
+                  device="meta")
+        mod.qweight, mod.absmax = q.qweight, q.absmax
+        mod.bias = None if bias is None else bias.detach().clone()
+        return mod
+
+    def packed(self) -> NF4Weight:
+        return NF4Weight(qweight=self.qweight, absmax=self.absmax, shape=(self.out_features, self.in_features),
+                         blocksize=self.blocksize)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense ``(out_features, in_features)`` weight this module multiplies by."""
+        return self.packed().dequantize(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cdt = x.dtype if self.compute_dtype is None else SCALE_DTYPES[self.compute_dtype]
+        return _apply(x.to(cdt), self.out_features, self.bias, self._matmul).to(x.dtype)
+
+    def _matmul(self, x2: torch.Tensor) -> torch.Tensor:  # (M, K) -> (M, N)
+        if x2.device.type == "cuda":
+            return bnb_matmul(x2, self.packed())
+        return x2 @ self.dequantize(x2.dtype).t()
+
+    def spec(self) -> dict:
+        """What ``save_compressed`` records; ``group_size`` is the block size (blocks lie within rows)."""
+        return {"format": "nf4", "bits": 4, "group_size": self.blocksize, "blocksize": self.blocksize,
+                "symmetric": None, "scale_dtype": "float32", "compute_dtype": self.compute_dtype,
+                "quant_type": "nf4", "in_features": self.in_features, "out_features": self.out_features,
+                "bias": self.bias is not None}
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, nf4 blocksize={self.blocksize}"
+                f", compute_dtype={self.compute_dtype}")

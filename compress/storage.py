@@ -5,7 +5,7 @@ A directory written by :func:`save_compressed` holds
   remaining float weights, and non-persistent buffers such as rotary tables),
   each stored once (tied weights are recorded as aliases);
 - ``zspeed_compress.json``: format tag and version, per compressed module its
-  format (bits, group size, symmetry, sparsity pattern, shapes), the method
+  format (bits, group size, symmetry, sparsity pattern, NF4 block size, shapes), the method
   config, tied aliases, and the Hugging Face config and class when present.
 
 :func:`load_compressed` validates the metadata before touching tensors, builds
@@ -27,7 +27,7 @@ from torch import nn
 
 import zspeed
 
-from .modules import QuantLinear, SparseLinear
+from .modules import NF4Linear, QuantLinear, SparseLinear
 
 FORMAT_TAG = "zspeed-compressed"
 FORMAT_VERSION = 1
@@ -41,8 +41,8 @@ class CompressedFormatError(ValueError):
 
 
 # -- saving -------------------------------------------------------------------------------------------------------
-def compressed_modules(model: nn.Module) -> dict[str, QuantLinear | SparseLinear]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, (QuantLinear, SparseLinear))}
+def compressed_modules(model: nn.Module) -> dict[str, QuantLinear | SparseLinear | NF4Linear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, (QuantLinear, SparseLinear, NF4Linear))}
 
 
 def save_compressed(model: nn.Module, directory: str | os.PathLike, *, config: object | None = None,
@@ -140,8 +140,11 @@ def _check_module_specs(path: Path, modules: object) -> None:
         if missing:
             raise CompressedFormatError(f"{path}: module {name!r} lacks {missing}")
         fmt = spec["format"]
-        if fmt not in ("int8", "int4") and not str(fmt).startswith("sparse"):
-            raise CompressedFormatError(f"{path}: module {name!r} has unknown format {fmt!r} (int8, int4, sparseN:M)")
+        if fmt not in ("int8", "int4", "nf4") and not str(fmt).startswith("sparse"):
+            raise CompressedFormatError(
+                f"{path}: module {name!r} has unknown format {fmt!r} (int8, int4, nf4, sparseN:M)")
+        if fmt == "nf4" and "blocksize" not in spec:
+            raise CompressedFormatError(f"{path}: nf4 module {name!r} lacks its 'blocksize'")
         if str(fmt).startswith("sparse") and "pattern" not in spec:
             raise CompressedFormatError(f"{path}: sparse module {name!r} lacks its 'pattern'")
 
@@ -205,12 +208,22 @@ def _swap_in(model: nn.Module, name: str, spec: dict, dtype: torch.dtype) -> Non
 def _module_from_spec(spec: dict, dtype: torch.dtype) -> nn.Module:
     common = dict(bias=spec["bias"], scale_dtype=spec["scale_dtype"], dtype=dtype, device="meta")
     k, n = spec["in_features"], spec["out_features"]
+    if spec["format"] == "nf4":
+        return _nf4_from_spec(spec, dtype)
     if spec["format"] in ("int8", "int4"):
         return QuantLinear(k, n, bits=spec["bits"], group_size=spec["group_size"],
                            symmetric=spec["symmetric"], **common)
     pn, pm = (int(v) for v in spec["pattern"].split(":"))
     return SparseLinear(k, n, n=pn, m=pm, quant_bits=spec["bits"], group_size=spec["group_size"] or 128,
                         symmetric=bool(spec["symmetric"]), **common)
+
+
+def _nf4_from_spec(spec: dict, dtype: torch.dtype) -> NF4Linear:
+    try:
+        return NF4Linear(spec["in_features"], spec["out_features"], blocksize=spec["blocksize"],
+                         compute_dtype=spec.get("compute_dtype"), bias=spec["bias"], dtype=dtype, device="meta")
+    except ValueError as e:
+        raise CompressedFormatError(f"nf4 module metadata is invalid: {e}") from None
 
 
 def _read_tensors(path: Path, device) -> dict[str, torch.Tensor]:

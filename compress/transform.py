@@ -21,7 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .calib import attach_stats, detach_hooks
-from .config import GPTQConfig, MagnitudeConfig, RTNConfig, WandaConfig
+from .config import GPTQConfig, MagnitudeConfig, NF4Config, RTNConfig, WandaConfig
 from .layer import check_linear, compress_linear, stat_type
 
 Batch = torch.Tensor | dict
@@ -40,17 +40,18 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
 
 
-def quantize_model(model: nn.Module, config: RTNConfig | GPTQConfig, *, calib: Iterable[Batch] | None = None,
-                   progress: bool = True) -> nn.Module:
-    """Replace the selected ``nn.Linear`` modules of ``model`` (in place) by :class:`QuantLinear`.
+def quantize_model(model: nn.Module, config: RTNConfig | GPTQConfig | NF4Config, *,
+                   calib: Iterable[Batch] | None = None, progress: bool = True) -> nn.Module:
+    """Replace the selected ``nn.Linear`` modules of ``model`` (in place) by :class:`QuantLinear`
+    (or :class:`NF4Linear` for :class:`NF4Config`).
 
-    ``config``: :class:`RTNConfig` (data-free) or :class:`GPTQConfig`, which needs
+    ``config``: :class:`RTNConfig` or :class:`NF4Config` (data-free) or :class:`GPTQConfig`, which needs
     ``calib``: batches of token ids ``(B, T)`` or dicts of model keywords. Layers
     are processed one block at a time (see [Note: layer-by-layer calibration])
     with a progress bar. Returns ``model``.
     """
-    if not isinstance(config, (RTNConfig, GPTQConfig)):
-        raise TypeError(f"quantize_model takes RTNConfig or GPTQConfig, got {type(config).__name__}; "
+    if not isinstance(config, (RTNConfig, GPTQConfig, NF4Config)):
+        raise TypeError(f"quantize_model takes RTNConfig, GPTQConfig or NF4Config, got {type(config).__name__}; "
                         "use sparsify_model for MagnitudeConfig/WandaConfig")
     return _compress_model(model, config, calib, progress)
 
@@ -65,7 +66,7 @@ def sparsify_model(model: nn.Module, config: MagnitudeConfig | WandaConfig, *,
     """
     if not isinstance(config, (MagnitudeConfig, WandaConfig)):
         raise TypeError(f"sparsify_model takes MagnitudeConfig or WandaConfig, got {type(config).__name__}; "
-                        "use quantize_model for RTNConfig/GPTQConfig")
+                        "use quantize_model for RTNConfig/GPTQConfig/NF4Config")
     return _compress_model(model, config, calib, progress)
 
 
