@@ -198,11 +198,11 @@ class WandaConfig(_SparseBase):
 
 QuantConfig = RTNConfig | GPTQConfig | NF4Config
 SparseConfig = MagnitudeConfig | WandaConfig
-METHODS: dict[str, type] = {c.method: c for c in (RTNConfig, GPTQConfig, NF4Config, MagnitudeConfig, WandaConfig)}
+METHODS: dict[str, type] = {c.method: c for c in (RTNConfig, GPTQConfig, MagnitudeConfig, WandaConfig, NF4Config)}
 
 
 def make_config(method: str, **kwargs: object) -> QuantConfig | SparseConfig:
-    """Build the config of ``method`` (``rtn``, ``gptq``, ``nf4``, ``magnitude``, ``wanda``) from keywords."""
+    """Build the config of ``method`` (``rtn``, ``gptq``, ``magnitude``, ``wanda``, ``nf4``) from keywords."""
     if method not in METHODS:
         raise ValueError(f"unknown compression method {method!r}; valid methods: {', '.join(METHODS)}")
     cls = METHODS[method]
