@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
 from .device import DeviceHandle
 from .disk_io import DiskTier
-from .pinned_pool import PinnedBufferPool, size_class
-from .store_config import StoreConfig, StoreCorruptionError, StoreError, TensorMeta, Tier, missing_key_message
+from .pinned_pool import PinnedBufferPool, aligned_empty, size_class
+from .store_config import (StoreConfig, StoreCorruptionError, StoreError, TensorMeta, Tier, align_up,
+                           missing_key_message)
 
 __all__ = ["MemoryTier", "StoreConfig", "StoreCorruptionError", "StoreError", "TensorMeta", "TensorStore", "Tier"]
 
@@ -33,6 +34,7 @@ class MemoryTier:
         self.on_device = tier is Tier.DEVICE
         self.tensors: dict[str, torch.Tensor] = {}
         self.index: dict[str, TensorMeta] = {}
+        self.packs: dict[str, torch.Tensor] = {}  # key -> the flat buffer it was packed into
         self._lock = threading.Lock()
 
     def write(self, key: str, tensor: torch.Tensor) -> TensorMeta:
@@ -45,7 +47,29 @@ class MemoryTier:
         meta = TensorMeta.of(copy)
         with self._lock:
             self.tensors[key], self.index[key] = copy, meta
+            self.packs.pop(key, None)
         return meta
+
+    def write_group(self, tensors: Sequence[tuple[str, torch.Tensor]], *, alignment: int) -> list[TensorMeta]:
+        """Copies ``tensors`` into one flat buffer, packed (see [Note: packed groups])."""
+        offsets, end = [], 0
+        for _, t in tensors:
+            offsets.append(align_up(end, alignment))
+            end = offsets[-1] + t.numel() * t.element_size()
+        span = align_up(end, alignment)
+        if self.on_device:
+            flat = self.device.empty((span,), dtype=torch.uint8)
+        else:
+            flat = aligned_empty(span, alignment=alignment, device=self.device, pinned=True)
+        views = []
+        for (key, t), offset in zip(tensors, offsets):
+            src = t.detach()
+            raw = flat[offset:offset + src.numel() * src.element_size()]
+            views.append((key, raw.view(src.dtype).view(src.shape).copy_(src)))
+        with self._lock:
+            for key, view in views:
+                self.tensors[key], self.index[key], self.packs[key] = view, TensorMeta.of(view), flat
+        return [self.index[key] for key, _ in views]
 
     def read(self, key: str, out: torch.Tensor | None) -> torch.Tensor:
         stored = self.peek(key)
@@ -67,6 +91,7 @@ class MemoryTier:
             if key not in self.tensors:
                 raise KeyError(missing_key_message(key, list(self.index)))
             del self.tensors[key], self.index[key]
+            self.packs.pop(key, None)
 
 
 class TensorStore:
@@ -144,6 +169,32 @@ class TensorStore:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"put({key!r}, ...) expects a torch.Tensor, got {type(tensor).__name__}")
         return self._submit(key, self._tier.write, tensor, write=True)
+
+    def put_group(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> list[TensorMeta]:
+        """Put ``(key, tensor)`` pairs that are used together; blocks until all are stored.
+
+        A memory tier packs them into one buffer (see [Note: packed groups]);
+        the DISK tier writes one file per key, as ``put`` does.
+        """
+        keys = [key for key, _ in tensors]
+        if len(set(keys)) != len(keys):
+            raise ValueError("put_group lists a key twice")
+        if not isinstance(self._tier, MemoryTier):
+            return [f.result() for f in [self.put_async(key, t) for key, t in tensors]]
+        for key, t in tensors:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"put_group: {key!r} is a {type(t).__name__}, not a torch.Tensor")
+            self._settle(key)  # an earlier write to ``key`` must not land after this one
+        if self._closed:
+            raise StoreError(f"the store is closed; cannot put {keys[:3]}")
+        return self._tier.write_group(tensors, alignment=self.config.alignment)
+
+    def packed_buffer(self, key: str) -> torch.Tensor | None:
+        """The flat buffer ``key`` was packed into by ``put_group`` (None if it was put alone)."""
+        if not isinstance(self._tier, MemoryTier):
+            return None
+        self._settle(key)
+        return self._tier.packs.get(key)
 
     def get(self, key: str, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.get_async(key, out).result()

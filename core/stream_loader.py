@@ -8,8 +8,10 @@ Jobs (unit -> slot) are handled in order by one loader thread:
         whole span staging -> slot on the copy stream -> ready_event.
     DISK store, CPU device:   the reads land straight in the slot (unless
         ``stage_disk_reads`` forces the staged path).
-    CPU/DEVICE store:         per-tensor non-blocking copies from the store's
-        (pinned) tensors to the slot on the copy stream -> ready_event.
+    CPU/DEVICE store:         one non-blocking copy of the whole span when the
+        store packed the unit (``put_group``, [Note: packed groups]) at the
+        slot's offsets, else per-tensor copies from the store's (pinned)
+        tensors, on the copy stream -> ready_event.
 
 Two threads form a pipeline: the *reader* takes a staging buffer and
 submits the unit's reads to the store's pool, then hands the job to the
@@ -177,12 +179,22 @@ class Loader:
                 raise ValueError(f"key {place.key!r} is now {tuple(src.shape)} {src.dtype}; the streamer "
                                  f"planned {place.meta.shape} {place.meta.dtype} (rebuild the streamer)")
 
+        packed = _packed_source(self.store, job.layout, sources)
+        if packed is not None:
+            span = job.layout.span
+            self._copy(job.slot, lambda: self._copy_one(job.slot.buffer[:span], packed[:span]))
+            return
+
         def copies() -> None:
             for place, src in sources:
                 place.view(job.slot.buffer).copy_(src, non_blocking=True)
                 self.device.record_stream(src, self.copy_stream)  # a DEVICE-tier source may be replaced meanwhile
 
         self._copy(job.slot, copies)
+
+    def _copy_one(self, dst, src) -> None:
+        dst.copy_(src, non_blocking=True)
+        self.device.record_stream(src, self.copy_stream)
 
     def _copy(self, slot: DeviceSlot, copies: Callable[[], None]) -> None:
         """Run ``copies`` on the copy stream after the slot is free; mark the slot ready."""
@@ -197,3 +209,16 @@ class Loader:
             self._timings.append((start, end))
         if len(self._timings) > 64:
             self._fold_timings(block=False)
+
+
+def _packed_source(store: TensorStore, layout: UnitLayout, sources) -> object | None:
+    """The store's flat buffer holding the unit at exactly the slot layout's offsets, or None."""
+    if not layout.places:
+        return None
+    flat = store.packed_buffer(layout.places[0].key)
+    if flat is None or flat.numel() < layout.span:
+        return None
+    base = flat.data_ptr()
+    if all(src.data_ptr() - base == place.offset for place, src in sources if place.meta.nbytes):
+        return flat
+    return None

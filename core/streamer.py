@@ -76,7 +76,8 @@ class StreamerConfig:
         slot (``None``: when the device is CUDA; on the CPU reads can land in
         the slot directly, ``True`` forces the CUDA path there, e.g. in tests).
     alignment: byte alignment of each tensor inside a slot (raised to the
-        store's alignment for DISK stores so O_DIRECT reads land in place).
+        store's alignment for DISK stores so O_DIRECT reads land in place, and
+        for units the store packed so they move in one copy).
     timeout_s: ``acquire`` raises rather than waiting longer than this.
     """
 
@@ -105,6 +106,9 @@ class StreamerStats:
 
     bytes_moved: tensor bytes loaded into slots (alignment padding excluded).
     stall_seconds: time the consumer waited inside ``acquire``.
+    acquires_ready: acquires that found their unit already loaded (RESIDENT or
+        RELEASED: on CUDA, its copy already enqueued), so ``acquire`` did not
+        wait for the loader; in steady state every acquire should be one.
     read_seconds / copy_seconds: time spent reading from the store and copying
         to the device (device-timed on CUDA); ``transfer_seconds`` is their sum,
         so with overlapping stages ``achieved_gbps`` is a lower bound.
@@ -116,6 +120,7 @@ class StreamerStats:
     stall_seconds: float
     read_seconds: float
     copy_seconds: float
+    acquires_ready: int = 0
 
     @property
     def transfer_seconds(self) -> float:
@@ -171,7 +176,7 @@ class Streamer:
         self._slots = SlotPool(device=device, window=config.window, slot_bytes=span, alignment=alignment)
         self._cond = threading.Condition()
         self._closed = False
-        self._counters = {"acquires": 0, "units_loaded": 0, "bytes_moved": 0, "stall": 0.0}
+        self._counters = {"acquires": 0, "acquires_ready": 0, "units_loaded": 0, "bytes_moved": 0, "stall": 0.0}
         self.max_resident_seen = 0
         self.set_order(range(len(units)) if order is None else order)
         staged = store.tier is Tier.DISK and (device.is_cuda if config.stage_disk_reads is None
@@ -183,6 +188,8 @@ class Streamer:
         missing = [k for k in spec.tensor_keys if k not in self.store]
         if missing:
             raise KeyError(f"unit {spec.name!r}: keys {missing[:5]} are not in the store; put them first")
+        if spec.tensor_keys and self.store.packed_buffer(spec.tensor_keys[0]) is not None:
+            alignment = max(alignment, self.store.alignment)  # the pack's layout: one copy per unit
         return plan_layout([(k, self.store.meta(k)) for k in spec.tensor_keys], alignment=alignment)
 
     # -- facts -----------------------------------------------------------------
@@ -207,7 +214,7 @@ class Streamer:
         c = self._counters
         return StreamerStats(acquires=c["acquires"], units_loaded=c["units_loaded"], bytes_moved=c["bytes_moved"],
                              stall_seconds=c["stall"], read_seconds=self._loader.read_seconds,
-                             copy_seconds=self._loader.copy_seconds())
+                             copy_seconds=self._loader.copy_seconds(), acquires_ready=c["acquires_ready"])
 
     # -- lifecycle: order ------------------------------------------------------
     def set_order(self, order: Iterable[int]) -> None:
@@ -230,6 +237,7 @@ class Streamer:
         with self._cond:
             self._check_open()
             pos = self._advance_cursor(unit.index)
+            self._counters["acquires_ready"] += unit.state in (UnitState.RESIDENT, UnitState.RELEASED)
             if unit.state is UnitState.EMPTY:
                 self._load_on_demand(unit, deadline=start + self.config.timeout_s)
             unit.users += 1

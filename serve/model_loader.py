@@ -342,10 +342,8 @@ def _fill_store(store: TensorStore, ckpt: Checkpoint, shell: nn.Module, names: l
         return
     if marker is not None:
         marker.unlink(missing_ok=True)
-    for layer_names in tqdm(names, **bar):
-        puts = [store.put_async(key, _read(ckpt, key, like[name]).contiguous()) for name, key in layer_names]
-        for put in puts:
-            put.result()
+    for layer_names in tqdm(names, **bar):  # one group per layer: streamed in one copy ([Note: packed groups])
+        store.put_group([(key, _read(ckpt, key, like[name]).contiguous()) for name, key in layer_names])
     if marker is not None:
         store.flush()
         marker.write_text(json.dumps(source))

@@ -129,9 +129,7 @@ class ModelRunner:
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
         """Hidden states ``(S, hidden)`` of the rows that are sampled."""
-        dev = self.device.device
-        ids = torch.tensor(plan.token_ids, dtype=torch.long, device=dev)[None]  # (1, N)
-        positions = torch.tensor(plan.positions, dtype=torch.long, device=dev)[None]  # (1, N)
+        ids, positions, rows = self._inputs(plan)
         hidden = self.model.embed(ids)  # (1, N, hidden)
         rotary = self.model.rotary(hidden, positions)  # cos, sin: (1, N, head_dim) each
         layers = self.model.layers
@@ -143,8 +141,20 @@ class ModelRunner:
                 hidden = out[0] if isinstance(out, tuple) else out  # transformers < 5 returns a tuple
             finally:
                 layers.release(i)
-        rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=dev)
         return hidden[0].index_select(0, rows)  # (S, hidden)
+
+    def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token ids ``(1, N)``, positions ``(1, N)`` and sampled rows ``(S,)`` on the device.
+
+        One non-blocking copy from pinned memory: ``torch.tensor(..., device=cuda)``
+        would synchronise the stream, once per tensor, and the sampled rows'
+        sync would hold the output head back until every layer had run.
+        """
+        n = len(plan.token_ids)
+        values = torch.tensor([*plan.token_ids, *plan.positions, *plan.sample_rows], dtype=torch.long)
+        host = self.device.pinned_empty(values.shape, dtype=torch.long).copy_(values)
+        inputs = host.to(self.device.device, non_blocking=True)
+        return inputs[:n][None], inputs[n:2 * n][None], inputs[2 * n:]
 
     def _report(self) -> None:
         if self._observer is None:

@@ -74,6 +74,30 @@ def test_round_trip_bit_exact(tier, extra, tmp_path):
         assert sorted(store.keys()) == sorted(originals)
 
 
+@pytest.mark.parametrize("tier,extra", TIER_PARAMS, ids=lambda p: str(p))
+def test_put_group_packs_memory_tiers(tier, extra, tmp_path):
+    """[Note: packed groups]: one aligned buffer in the order given; a later put moves a key out."""
+    with make_store(tier, tmp_path, **extra) as store:
+        group = [(f"g/{i}", random_tensor(shape, dtype, seed=i))
+                 for i, (shape, dtype) in enumerate(zip(SHAPES, DTYPES + [torch.float32]))]
+        store.put_group(group)
+        for key, original in group:
+            assert same_bits(store.get(key), original), key
+        if tier == "disk":
+            assert store.packed_buffer("g/0") is None
+            return
+        flat = store.packed_buffer("g/0")
+        end = 0
+        for key, original in group:
+            offset = -(-end // 4096) * 4096  # each tensor at the next multiple of the store's alignment
+            end = offset + original.numel() * original.element_size()
+            assert store.packed_buffer(key) is flat
+            if original.numel():  # an empty tensor has no address to check
+                assert store.peek(key).data_ptr() - flat.data_ptr() == offset, key
+        store.put("g/1", group[1][1])
+        assert store.packed_buffer("g/1") is None and same_bits(store.get("g/1"), group[1][1])
+
+
 def test_disk_records_io_mode(tmp_path):
     with make_store("disk", tmp_path) as auto, make_store("disk", tmp_path, direct_io=False) as buffered:
         assert auto.io_mode in ("direct", "buffered")
