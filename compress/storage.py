@@ -202,10 +202,11 @@ def _swap_in(model: nn.Module, name: str, spec: dict, dtype: torch.dtype) -> Non
     if isinstance(old, nn.Linear) and (old.in_features, old.out_features) != (k, n):
         raise CompressedFormatError(f"module {name!r} is Linear({old.in_features}→{old.out_features}) in the model "
                                     f"but Linear({k}→{n}) in the checkpoint: a different model")
-    replace_module(model, name, _module_from_spec(spec, dtype))
+    replace_module(model, name, module_from_spec(spec, dtype))
 
 
-def _module_from_spec(spec: dict, dtype: torch.dtype) -> nn.Module:
+def module_from_spec(spec: dict, dtype: torch.dtype) -> nn.Module:
+    """An empty (``meta``) compressed Linear of the format a metadata entry ``spec`` records."""
     common = dict(bias=spec["bias"], scale_dtype=spec["scale_dtype"], dtype=dtype, device="meta")
     k, n = spec["in_features"], spec["out_features"]
     if spec["format"] == "nf4":

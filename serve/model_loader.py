@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from zspeed.compress.modules import QuantLinear, SparseLinear
+from zspeed.compress.storage import module_from_spec
 from zspeed.core.device import DeviceHandle
 from zspeed.core.store import StoreConfig, TensorStore, Tier
 
@@ -201,21 +201,9 @@ def _skeleton(hf_config, dtype: torch.dtype, ckpt: Checkpoint) -> tuple[nn.Modul
     num_params = sum(p.numel() for p in model.parameters())
     for name, spec in (ckpt.compressed or {}).get("modules", {}).items():
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, _compressed_module(spec, dtype))
+        setattr(model.get_submodule(parent) if parent else model, child, module_from_spec(spec, dtype))
     model.config._attn_implementation = ATTN_IMPLEMENTATION
     return model.eval(), num_params
-
-
-def _compressed_module(spec: dict, dtype: torch.dtype) -> nn.Module:
-    """An empty (``meta``) compressed Linear of the format ``spec`` (a zcompress metadata entry) records."""
-    common = dict(bias=spec["bias"], scale_dtype=spec["scale_dtype"], dtype=dtype, device="meta")
-    k, n = spec["in_features"], spec["out_features"]
-    if spec["format"] in ("int8", "int4"):
-        return QuantLinear(k, n, bits=spec["bits"], group_size=spec["group_size"], symmetric=spec["symmetric"],
-                           **common)
-    pn, pm = (int(v) for v in spec["pattern"].split(":"))
-    return SparseLinear(k, n, n=pn, m=pm, quant_bits=spec["bits"], group_size=spec["group_size"] or 128,
-                        symmetric=bool(spec["symmetric"]), **common)
 
 
 def _describe(config: LoadConfig, directory: Path, ckpt: Checkpoint, hf_config, dtype: torch.dtype,

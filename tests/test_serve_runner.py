@@ -244,3 +244,20 @@ def test_other_llama_family_shapes_match_hf(arch, tmp_path):
         with pytest.raises(ValueError, match="sliding window"):
             ModelRunner(model, max_batch_size=1, max_model_len=256)
     model.close()
+
+
+def test_nf4_zcompress_folder_matches_the_quantized_model(tiny_dir, tmp_path):
+    """NF4 weights (bitsandbytes' layout) served from a zcompress folder equal the NF4 model run directly."""
+    from zspeed.compress import NF4Config, load_compressed, quantize_model, save_compressed
+
+    model = build_tiny_model()
+    quantize_model(model, NF4Config(blocksize=32), progress=False)
+    save_compressed(model, tmp_path / "nf4")
+    quantized = Reference(load_compressed(tmp_path / "nf4"))
+    served = load_tiny(tmp_path / "nf4", offload="cpu")
+    assert served.description.quantization == "nf4"
+    engine, _ = make_engine(served)
+    with engine:
+        results = generate_all(engine, PROMPTS[:3])
+    assert [r.token_ids for r in results] == [quantized.greedy(p) for p in PROMPTS[:3]]
+    served.close()
