@@ -4,6 +4,7 @@
            [--zero-stage N] [--offload none|cpu|nvme] [--nvme-path P] [--bf16] [--lr LR]
            [--epochs E | --max-steps S] [--seq-len T] [--micro-batch B] [--global-batch G]
            [--save-every N] [--resume] [--out DIR] [--nproc N] [--seed S] [--demo-corpus N]
+           [--lora-r R [--lora-alpha A] [--lora-dropout P] [--lora-targets q_proj,k_proj,...]]
 
 Everything the run needs is checked before any work (:func:`prepare`): the
 numbers, the output folder (must be writable), the model folder (config.json,
@@ -20,8 +21,9 @@ runs the loop of :mod:`zspeed.train.trainer`, and a restarted worker resumes
 from the latest checkpoint when there is one.
 
 Outputs in ``--out``: ``log.jsonl``, ``loss.png``, ``checkpoints/`` (with
-``--save-every``), ``model/`` (the exported Hugging Face folder), and
-``demo_corpus_N.jsonl`` with ``--demo-corpus N``.
+``--save-every``), ``model/`` (the exported Hugging Face folder; with LoRA the
+adapters merged in, and ``adapter/`` holds the adapter alone, see
+:mod:`zspeed.train.lora`), and ``demo_corpus_N.jsonl`` with ``--demo-corpus N``.
 """
 from __future__ import annotations
 
@@ -71,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/ztrain", help="output folder (default runs/ztrain)")
     p.add_argument("--nproc", type=int, default=1, help="processes on this machine (re-executes through torchrun)")
     p.add_argument("--seed", type=int, default=0, help="model init, data shuffle and order (default 0)")
+    lora = p.add_argument_group("LoRA (through peft; only the adapters train)")
+    lora.add_argument("--lora-r", type=int, help="adapter rank; turns LoRA on")
+    lora.add_argument("--lora-alpha", type=float, help="adapter scale numerator (scale alpha/r; default 16)")
+    lora.add_argument("--lora-dropout", type=float, help="dropout on the adapter input (default 0.0)")
+    lora.add_argument("--lora-targets", help="comma-separated module names to adapt "
+                      "(default q_proj,k_proj,v_proj,o_proj)")
     return p
 
 
@@ -99,18 +107,20 @@ def prepare(args: argparse.Namespace, *, world_size: int):
     tokenizer = tokenizer_for(source)
     model_cfg = inspect_model(source, tokenizer)
     check_seq_len(args.seq_len, max_positions(model_cfg), model=source.name)
+    lora = _check_lora(args, model_cfg, source.name)
     config = build_config_dict(flags, args.config)
     hidden = getattr(model_cfg, "hidden_size", None)
     load_config(config, world_size=world_size,  # checked now; step counts are resolved after packing
                 auto_context=auto_context(flags, hidden_size=hidden, total_steps=args.max_steps or 1, warmup_steps=1))
     resume = _check_checkpoints(args, out)
     if resume:
-        _check_checkpoint_model(out, source, tokenizer)
+        _check_checkpoint_model(out, source, tokenizer, model_cfg, lora)
     documents = read_documents(_data_paths(args, out))
     return TrainPlan(model=source, tokenizer=tokenizer, documents=tuple(documents), config=config, flags=flags,
                      hidden_size=hidden, seq_len=args.seq_len, seed=args.seed, eval_fraction=args.eval_fraction,
                      epochs=args.epochs, max_steps=args.max_steps, eval_every=args.eval_every,
-                     save_every=args.save_every, resume=resume, out=out, export=not args.no_export)
+                     save_every=args.save_every, resume=resume, out=out, export=not args.no_export,
+                     lora=lora)
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -128,6 +138,23 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise UsageError(f"--eval-fraction must be in [0, 1), got {args.eval_fraction}")
     if args.nvme_path and (args.offload or "none") != "nvme":
         raise UsageError("--nvme-path is only used with --offload nvme")
+
+
+def _check_lora(args: argparse.Namespace, model_cfg, model_name: str):
+    """The :class:`~zspeed.train.lora.LoraSpec` of ``--lora-*`` (None without ``--lora-r``), targets checked."""
+    others = {"--lora-alpha": args.lora_alpha, "--lora-dropout": args.lora_dropout,
+              "--lora-targets": args.lora_targets}
+    if args.lora_r is None:
+        given = [flag for flag, value in others.items() if value is not None]
+        if given:
+            raise UsageError(f"{given[0]} needs --lora-r (the adapter rank turns LoRA on)")
+        return None
+    from .lora import LoraSpec, meta_model, check_targets
+
+    spec = LoraSpec.from_flags(r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                               targets=args.lora_targets)
+    check_targets(spec, meta_model(model_cfg), model_name=model_name)
+    return spec
 
 
 def _check_writable(folder: Path, what: str) -> Path:
@@ -164,16 +191,20 @@ def _check_checkpoints(args: argparse.Namespace, out: Path) -> bool:
     return resume
 
 
-def _check_checkpoint_model(out: Path, source, tokenizer) -> None:
-    """A resumed checkpoint must be of this model (names the first mismatching tensor)."""
+def _check_checkpoint_model(out: Path, source, tokenizer, model_cfg, lora) -> None:
+    """A resumed checkpoint must be of this model and LoRA spec (names the first mismatching tensor)."""
     from .checkpoint_format import META_FILE, check_matches_model, read_latest, read_meta
+    from .lora import check_resume, lora_parameter_shapes
     from .models import parameter_shapes
     from .trainer import CHECKPOINT_DIR
 
     folder = out / CHECKPOINT_DIR / (read_latest(out / CHECKPOINT_DIR) or "")
     if (folder / META_FILE).is_file():  # zspeed's sharded format (see checkpoint_format)
-        check_matches_model(read_meta(folder), parameter_shapes(source, tokenizer), where=f"checkpoint {folder}",
-                            model=source.name)
+        meta = read_meta(folder)
+        saved = meta.state.get("client_state", {}).get("ztrain", {}).get("lora")
+        check_resume(saved, lora, where=f"checkpoint {folder}")
+        shapes = lora_parameter_shapes(model_cfg, lora) if lora else parameter_shapes(source, tokenizer)
+        check_matches_model(meta, shapes, where=f"checkpoint {folder}", model=source.name)
 
 
 # -- processes ------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from .cli_config import FlagValues, auto_context
 from .config import load_config, resize_for_world_size
 from .data import IGNORE_INDEX, DataConfig, DataCursor, Document, GlobalOrderSampler, PackedDataset, build_splits, \
     collate
+from .lora import ADAPTER_DIR, LoraSpec, apply_lora, merged_state_dict
 from .models import ModelSource, build_model
 from .run_log import RunLog, plot_losses
 from .tokenizer import TextTokenizer, tokenizer_summary
@@ -62,6 +63,7 @@ class TrainPlan:
     resume: bool
     out: Path
     export: bool = True
+    lora: LoraSpec | None = None  # train adapters only (see zspeed.train.lora)
 
 
 def train(plan: TrainPlan, topo: Topology) -> dict[str, Any]:
@@ -73,6 +75,8 @@ def train(plan: TrainPlan, topo: Topology) -> dict[str, Any]:
     cfg, total_steps = _resolve_config(plan, topo.world_size, len(splits.train))
     model = build_model(plan.model, plan.tokenizer, seed=plan.seed)
     hf_config = json.loads(model.config.to_json_string())
+    if plan.lora is not None:  # before initialize: the engine keeps the frozen base in non-trainable groups
+        model = apply_lora(model, plan.lora, seed=plan.seed)
 
     import zspeed  # lazily: the engine and its dependencies load only when training starts
 
@@ -86,7 +90,8 @@ def train(plan: TrainPlan, topo: Topology) -> dict[str, Any]:
               offload_param=cfg.zero_optimization.offload_param.device.value, train_batch_size=cfg.train_batch_size,
               micro_batch=cfg.train_micro_batch_size_per_gpu, gradient_accumulation=cfg.gradient_accumulation_steps,
               total_steps=total_steps, start_step=engine.global_steps, data=splits.stats,
-              tokenizer=tokenizer_summary(plan.tokenizer), seed=plan.seed)
+              tokenizer=tokenizer_summary(plan.tokenizer), seed=plan.seed,
+              lora=plan.lora.to_dict() if plan.lora is not None else None)
     loop = _Loop(plan=plan, topo=topo, engine=engine, splits=splits, log=log, total_steps=total_steps)
     summary = loop.run(sampler, cursor)
     if plan.export:
@@ -223,7 +228,8 @@ class _Loop:
 
     def _save(self, cursor: DataCursor) -> None:
         client = {"ztrain": {"data_cursor": cursor.to_dict(), "seed": self.plan.seed,
-                             "train_batch_size": self.engine.config.train_batch_size}}
+                             "train_batch_size": self.engine.config.train_batch_size,
+                             "lora": self.plan.lora.to_dict() if self.plan.lora is not None else None}}
         tag = f"global_step{self.engine.global_steps}"
         self.engine.save_checkpoint(str(self.plan.out / CHECKPOINT_DIR), tag=tag, client_state=client)
         self.log.write("checkpoint", step=self.engine.global_steps, tag=tag, cursor=cursor.to_dict())
@@ -261,6 +267,9 @@ def _export(engine, plan: TrainPlan, topo: Topology, hf_config: dict[str, Any], 
 
     state = engine.full_state_dict(master=True)  # a collective: every rank takes part
     if topo.is_main:
+        if plan.lora is not None:
+            base = build_model(plan.model, plan.tokenizer, seed=plan.seed)  # values replaced by the engine's
+            state = merged_state_dict(state, base, plan.lora, adapter_dir=plan.out / ADAPTER_DIR)
         report = export_state_dict(state, plan.out / EXPORT_DIR, hf_config=hf_config, tokenizer=plan.tokenizer,
                                    config=ExportConfig(overwrite=True))
         log.write("export", folder=str(report.folder), files=list(report.files), bytes=report.total_bytes)
