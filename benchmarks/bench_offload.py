@@ -1,12 +1,14 @@
 """Offload benchmarks on the GPU: throughput beside DeepSpeed, and capacity on one GPU.
 
-    python benchmarks/bench_offload.py --mode throughput [--json OUT]
+    python benchmarks/bench_offload.py --mode throughput [--nproc 1|2] [--json OUT]
     python benchmarks/bench_offload.py --mode capacity [--sizes 1b,3b,8b] [--systems ...] [--json OUT]
 
 throughput: the workload of ../shared/TARGETS.md (Llama-shaped 1.1 B, sequence 2048, micro-batch 4,
 bf16, AdamW, clip 1.0) through benchmarks/bench_train.py: ZeRO-2 with CPU optimizer offload on 1 GPU
 (zspeed-z2-offload, deepspeed-z2-offload) and ZeRO-3 with CPU optimizer offload on 2 GPUs
-(zspeed-z3-offload, deepspeed-z3-offload). Targets (issue 4): zspeed ≥ 2× DeepSpeed's tokens/s at
+(zspeed-z3-offload, deepspeed-z3-offload), each zspeed system also with the delayed parameter update
+(``-dpu``: offload_optimizer.delayed_update, one update stale after 2 exact steps) and, on 1 GPU, without
+clipping (``-noclip``: the exact update starts per group during backward). Targets (issue 4): zspeed ≥ 2× DeepSpeed's tokens/s at
 ZeRO-2 on 1 GPU at no more GPU memory, ≥ 3× at ZeRO-3 on 2 GPUs.
 
 capacity: on one GPU, each (model size, system) in its own process: Llama-shaped models up to the
@@ -38,6 +40,8 @@ SIZES = {  # hidden, layers, heads, kv heads, ffn, vocab
     "3b": (3072, 28, 24, 8, 8192, 128256),
     "8b": (4096, 32, 32, 8, 14336, 128256),
 }
+THROUGHPUT_SETS = ((1, "zspeed-z2-offload,zspeed-z2-offload-dpu,zspeed-z2-offload-noclip,deepspeed-z2-offload"),
+                   (2, "zspeed-z3-offload,zspeed-z3-offload-dpu,deepspeed-z3-offload"))
 CAPACITY_SYSTEMS = ["zspeed-z3-offload", "deepspeed-z3-offload", "zspeed-z2-offload", "deepspeed-z2-offload"]
 
 
@@ -144,14 +148,16 @@ def capacity_driver(args) -> list[dict]:
 def throughput_driver(args) -> list[dict]:
     """bench_train's driver, twice: the ZeRO-2 pair on 1 GPU, the ZeRO-3 pair on 2."""
     rows = []
-    for nproc, systems in ((1, "zspeed-z2-offload,deepspeed-z2-offload"), (2, "zspeed-z3-offload,deepspeed-z3-offload")):
+    for nproc, systems in [(n, sy) for n, sy in THROUGHPUT_SETS if args.nproc in (None, n)]:
         out = Path(args.json or "bench_offload.json").with_suffix(f".{nproc}gpu.json")
         cmd = [sys.executable, str(Path(__file__).parent / "bench_train.py"), "--driver", "--nproc", str(nproc),
                "--systems", systems, "--json", str(out), "--timeout", str(args.timeout)]
         subprocess.run(cmd, check=False)
         if out.is_file():
             rows += json.loads(out.read_text())
-    for pair in (("zspeed-z2-offload", "deepspeed-z2-offload"), ("zspeed-z3-offload", "deepspeed-z3-offload")):
+    for pair in (("zspeed-z2-offload", "deepspeed-z2-offload"), ("zspeed-z2-offload-dpu", "deepspeed-z2-offload"),
+                 ("zspeed-z2-offload-noclip", "deepspeed-z2-offload"), ("zspeed-z3-offload", "deepspeed-z3-offload"),
+                 ("zspeed-z3-offload-dpu", "deepspeed-z3-offload")):
         got = {r["system"]: r for r in rows if r["system"] in pair and "error" not in r}
         if len(got) == 2:
             z, d = got[pair[0]], got[pair[1]]
@@ -170,6 +176,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--timeout", type=int, default=1800)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--nproc", type=int, choices=(1, 2), default=None,
+                    help="throughput: only the 1-GPU (ZeRO-2) or the 2-GPU (ZeRO-3) set; default both")
     ap.add_argument("--capacity-one", action="store_true", help="(internal) one capacity run in this process")
     ap.add_argument("--size", choices=sorted(SIZES))
     ap.add_argument("--system", choices=CAPACITY_SYSTEMS)

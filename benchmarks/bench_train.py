@@ -22,8 +22,13 @@ import sys
 import time
 
 SYSTEMS = ["plain", "ddp", "fsdp2", "deepspeed-z2", "deepspeed-z3", "zspeed-z2", "zspeed-z3", "zspeed-z1",
-           "deepspeed-z1", "zspeed-z2-offload", "deepspeed-z2-offload", "zspeed-z3-offload", "deepspeed-z3-offload"]
+           "deepspeed-z1", "zspeed-z2-offload", "deepspeed-z2-offload", "zspeed-z3-offload", "deepspeed-z3-offload",
+           "zspeed-z2-offload-dpu", "zspeed-z3-offload-dpu", "zspeed-z2-offload-noclip"]
 PEAK_TFLOPS = 989.0
+# ``-dpu``: zspeed's delayed parameter update (offload_optimizer.delayed_update, a zspeed extension) after this
+# many exact steps, fewer than the warm-up steps, so every timed step is delayed. ``-noclip``: gradient_clipping 0,
+# where zspeed starts each group's CPU update during backward (exact; see train/offload.py).
+DPU_WARMUP = 2
 
 
 def llama_config(args):
@@ -34,13 +39,15 @@ def llama_config(args):
                        tie_word_embeddings=False)
 
 
-def ds_config(args, stage: int, offload: bool) -> dict:
+def ds_config(args, stage: int, offload: bool, *, delayed_update: int | None = None, clip: float = 1.0) -> dict:
     zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
             "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if delayed_update is not None:  # zspeed only: DeepSpeed rejects the key
+            zero["offload_optimizer"]["delayed_update"] = delayed_update
     return {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
-            "bf16": {"enabled": True}, "gradient_clipping": 1.0, "zero_optimization": zero,
+            "bf16": {"enabled": True}, "gradient_clipping": clip, "zero_optimization": zero,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8,
                                                        "weight_decay": 0.1, **({} if offload else {"torch_adam": True})}},
             "steps_per_print": 10 ** 9}
@@ -50,10 +57,12 @@ def build(system: str, args, model, device):
     """Return step(batch) -> loss for ``system``."""
     import torch
     stage = int(system.split("-z")[1][0]) if "-z" in system else 0
-    offload = system.endswith("-offload")
+    offload = "-offload" in system
     if system.startswith("zspeed"):
         import zspeed
-        engine, *_ = zspeed.initialize(model=model, config=ds_config(args, stage, offload))
+        cfg = ds_config(args, stage, offload, delayed_update=DPU_WARMUP if system.endswith("-dpu") else None,
+                        clip=0.0 if system.endswith("-noclip") else 1.0)
+        engine, *_ = zspeed.initialize(model=model, config=cfg)
 
         def step(ids):
             loss = engine(input_ids=ids, labels=ids).loss

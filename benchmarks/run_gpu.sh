@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU benchmark of the issues, one section at a time, logs and JSON under $OUT (default ./out).
 # Usage (on a 2-GPU machine, peers' wheels in .peers/ built by ../shared/peers/build-peer-wheels.sh):
-#   bash benchmarks/run_gpu.sh [comm] [stream] [train] [offload] [kernels] [serve] [capacity]   (default: all)
+#   bash benchmarks/run_gpu.sh [comm] [stream] [train] [offload] [offload3] [kernels] [serve] [capacity]
+#   (default: all but capacity and offload3, the 2-GPU ZeRO-3 offload set)
 # Each section has its own time limit so one stuck peer cannot take the others' time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +25,10 @@ for s in $sections; do
     stream) run stream 240 python3 benchmarks/bench_stream.py --json "$OUT/stream.json" ;;
     train) run train 330 python3 benchmarks/bench_train.py --driver --nproc 2 --timeout 90 \
              --systems zspeed-z2,deepspeed-z2,zspeed-z3,fsdp2,deepspeed-z3,plain --json "$OUT/train.json" ;;
-    offload) run offload 420 python3 benchmarks/bench_offload.py --mode throughput --json "$OUT/offload.json" ;;
+    offload) run offload 420 python3 benchmarks/bench_offload.py --mode throughput --nproc 1 --timeout 150 \
+               --json "$OUT/offload.json" ;;
+    offload3) run offload3 540 python3 benchmarks/bench_offload.py --mode throughput --nproc 2 --timeout 200 \
+                --json "$OUT/offload.json" ;;
     capacity) run capacity 900 python3 benchmarks/bench_offload.py --mode capacity --json "$OUT/capacity.json" ;;
     kernels) run kernels 400 python3 benchmarks/bench_kernels.py ;;
     serve) run serve 240 python3 benchmarks/bench_serve.py stream --preset llama-8b --num-layers 12 --window 3 \

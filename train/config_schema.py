@@ -305,9 +305,16 @@ class OffloadOptimizerConfig:
     nvme_path: str | None = key("folder for NVMe swap files (required for 'nvme')", None)
     pin_memory: bool = key("use page-locked host buffers for faster device transfers", False)
     buffer_count: int = key("number of swap buffers for NVMe optimizer state", 4)
+    delayed_update: int | None = key(
+        "zspeed extension, not a DeepSpeed key: the delayed parameter update of the ZeRO-Offload paper. "
+        "After this many exact warm-up steps, each step's CPU update runs during the next step's forward "
+        "and backward, so the parameters a step computes with are one update stale (clipping and the fp16 "
+        "check still use the step's own gradients); null = off (every step exact)", None)
 
     def __post_init__(self) -> None:
         _check_offload(self, self.SECTION)
+        _check(self.delayed_update is None or self.delayed_update >= 0,
+               f"{self.SECTION}.delayed_update must be >= 0 (warm-up steps) or null (off), got {self.delayed_update}")
 
     @property
     def enabled(self) -> bool:

@@ -237,6 +237,7 @@ class ZeroEngine:
         then point ``save_dir/latest`` at it; collective. ``client_state`` (JSON) comes back from
         :meth:`load_checkpoint`. See :mod:`zspeed.train.checkpoint`."""
         from .checkpoint import save_checkpoint
+        self._land_updates()
         return str(save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest))
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
@@ -292,6 +293,11 @@ class ZeroEngine:
         held = [t for g in self.groups for t in g.held_tensors()]
         return held + optimizer_state_tensors(self.optimizer)
 
+    def _land_updates(self) -> None:
+        """Publish a delayed optimizer update still running on the CPU (offload's DPU; else a no-op)."""
+        if self.offload is not None:
+            self.offload.drain()
+
     def _trainable(self) -> list[FlatParamGroup]:
         return [g for g in self.groups if g.trainable]
 
@@ -302,6 +308,7 @@ class ZeroEngine:
         ``master=True`` returns the fp32 master values of trainable parameters
         instead of the compute (16-bit) ones. Keys are ``module.state_dict()``'s.
         """
+        self._land_updates()
         values: dict[int, torch.Tensor] = {}
         for u in self.units:
             u.unshard()

@@ -22,12 +22,41 @@ or the parameter store with parameter offload, :mod:`zspeed.train.param_offload`
    updated 16-bit chunk to the device on the H2D stream and all-gathers it, so
    the upload and gather of group i overlap the update of group i+1.
 The step ends when the last group is home.
+
+[Note: overlapping the CPU update]
+Without gradient clipping and without fp16 nothing in the step needs the global
+norm, so step 3 does not wait for step 2: each group's update is submitted to the
+worker as soon as its gradient is sent (on CUDA from the reduction hook, during
+backward; on the CPU, and at stage 1, as ``collect`` takes the groups after
+backward), and the worker copies the updated chunk to the device itself. The
+copy may overwrite the group's parameters during backward because the group's
+gradient is complete: every kernel that read those parameters ran before the
+gradient's D2H copy, which the worker waited for. ``step()`` then only waits for
+the tail and issues the gathers, in ``self.order`` so that every rank issues its
+collectives in the same order. Each group's update is the same call on the same
+tensors as in the unoverlapped path, so the results are bit for bit the same.
+
+[Note: delayed parameter update]
+With ``offload_optimizer.delayed_update = W`` (a zspeed extension; ZeRO-Offload's
+DPU), steps 0..W-1 are exact; from step W on, ``step()`` computes the norm from
+this step's gradients (clipping and the fp16 gate stay exact), submits the
+update and returns at once: the update runs on the CPU during the next step's
+forward and backward, and lands (upload and gather) at the start of the next
+``step()``. So the forward of step t > W uses the parameters of step t-2's
+update: one update stale. What the late update needs is captured when it is
+submitted: its gradient buffer (two pinned buffers alternate per step, since
+the next backward writes the other one), and the optimizer's hyperparameters
+(:func:`_frozen`: the lr scheduler steps before the update runs). Checkpoints,
+``full_state_dict`` and ``close`` land the pending update first (:meth:`OptimizerOffload.drain`),
+so the step after them is exact again and warm-up restarts after a resume.
 """
 from __future__ import annotations
 
+import copy
 import math
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -84,13 +113,28 @@ class _Host:
 
     group: FlatParamGroup
     key: str
-    grad: torch.Tensor | None = None  # pinned: the reduced gradient chunk, as the device had it
+    grad: torch.Tensor | None = None  # pinned: this step's reduced gradient chunk, as the device had it
+    grads: list = field(default_factory=lambda: [None, None])  # the pinned buffers ``grad`` alternates between
     out: torch.Tensor | None = None  # pinned: the updated chunk in the compute dtype
     norm_sq: torch.Tensor | None = None  # device scalar: this chunk's squared gradient norm
     grad_ready: Any = None  # event after the D2H copy
     uploaded: Any = None  # event after the H2D copy of ``out``
     sent: bool = False
+    job: Future | None = None  # this group's submitted, not yet landed, update
+    landed: bool = False  # the worker copied ``out`` to the device itself (see [Note: overlapping the CPU update])
     names: tuple[str, ...] = ("master",)  # NVMe: the arrays the store holds for this group
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Job:
+    """One group's CPU update, with what it must not read later than its submission."""
+
+    host: _Host
+    grad: torch.Tensor  # the pinned gradient buffer of the step it belongs to
+    ready: Any  # the event after that buffer's D2H copy
+    optimizer: torch.optim.Optimizer  # the real one, or a :func:`_frozen` view for a delayed update
+    scale: float  # the gradient is ``grad × scale``
+    upload: bool  # the worker copies the result to the device (see [Note: overlapping the CPU update])
 
 
 class OptimizerOffload:
@@ -108,6 +152,13 @@ class OptimizerOffload:
         self.boundary = False
         self.shard_sink = None  # a ParamOffload at stage 3 with parameter offload
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="zspeed-cpu-optim")
+        self.early_start = False  # set by OffloadStepper: see [Note: overlapping the CPU update]
+        self.early_updates = 0  # updates submitted before step() (a count, for tests and logs)
+        self._queue: deque[_Host] = deque()  # submitted, not yet started (the worker prefetches the head)
+        self._prefetched: dict[int, dict[str, Future]] = {}  # NVMe reads started ahead, by id(host)
+        self._batch: list[_Host] = []  # this step's submitted updates
+        self._pending: list[_Host] = []  # a delayed update, landing at the next step()
+        self._parity = 0  # which of a host's two gradient buffers this step writes
         self.store = self._open_store() if config.device is OffloadDevice.NVME else None
 
     def _open_store(self) -> TensorStore:
@@ -148,6 +199,8 @@ class OptimizerOffload:
         """Called before each backward: only the last micro-batch of a step sends gradients."""
         self.boundary = boundary
         if boundary:
+            if self.config.delayed_update is not None:
+                self._parity ^= 1  # the pending update may still read the other buffer
             for h in self.order:
                 h.sent = False
 
@@ -173,8 +226,10 @@ class OptimizerOffload:
 
     def _send(self, h: _Host, grad: torch.Tensor, *, after) -> None:
         dev = self.device
-        if h.grad is None or h.grad.dtype != grad.dtype:
-            h.grad = dev.pinned_empty(grad.shape, dtype=grad.dtype)
+        buf = h.grads[self._parity]
+        if buf is None or buf.dtype != grad.dtype:
+            buf = h.grads[self._parity] = dev.pinned_empty(grad.shape, dtype=grad.dtype)
+        h.grad = buf
         self.d2h.wait_stream(after)
         with dev.use_stream(self.d2h):
             h.norm_sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
@@ -183,6 +238,9 @@ class OptimizerOffload:
             h.grad_ready.record(self.d2h)
         dev.record_stream(grad, self.d2h)
         h.sent = True
+        if self.early_start and h.job is None:
+            self._submit(h, self._optimizer, 1.0, delayed=False)
+            self.early_updates += 1
 
     # -- the step ----------------------------------------------------------------------------
     def grad_norm_sq(self) -> torch.Tensor:
@@ -198,56 +256,96 @@ class OptimizerOffload:
             if h.grad_ready is not None:
                 h.grad_ready.synchronize()
 
-    def step(self, optimizer: torch.optim.Optimizer, grad_scale: float) -> None:
-        """Update every group (``grad × grad_scale`` is the gradient) and publish the new parameters."""
-        reads = self._read_states(self.order[0]) if self.order and self.store is not None else None
-        futures: list[Future] = []
-        for i, h in enumerate(self.order):
-            nxt = self.order[i + 1] if i + 1 < len(self.order) else None
-            futures.append(self._worker.submit(self._update, h, optimizer, grad_scale, reads, nxt))
-            reads = futures[-1]  # the worker hands the next group's pending reads along
-        for h, f in zip(self.order, futures):
-            f.result()
-            self._upload(h)
+    def step(self, optimizer: torch.optim.Optimizer, grad_scale: float, *, delay: bool = False) -> None:
+        """Update every group (``grad × grad_scale`` is the gradient) and publish the new parameters;
+        with ``delay``, leave the update running to land at the next step (see [Note: delayed parameter update])."""
+        opt = _frozen(optimizer) if delay else optimizer
+        for h in self.order:
+            if h.job is None:
+                self._submit(h, opt, grad_scale, delayed=delay)
+        batch, self._batch = self._batch, []
+        if delay:
+            self._pending = batch
+        else:
+            self._land(batch)
+
+    def drain(self) -> None:
+        """Land a delayed update still running (no-op without one)."""
+        pending, self._pending = self._pending, []
+        self._land(pending)
+
+    def _submit(self, h: _Host, optimizer, grad_scale: float, *, delayed: bool) -> None:
+        sink = self.shard_sink is not None and self.shard_sink.owns(h.group)
+        job = _Job(host=h, grad=h.grad, ready=h.grad_ready, optimizer=optimizer, scale=grad_scale,
+                   upload=not delayed and not sink)
+        self._queue.append(h)
+        h.job = self._worker.submit(self._update, job)
+        self._batch.append(h)
+
+    def _land(self, batch: list[_Host]) -> None:
+        """Wait for ``batch``'s updates and publish them, group by group in ``self.order``."""
+        if not batch:
+            return
+        ids = {id(h) for h in batch}
+        for h in self.order:
+            if id(h) not in ids:
+                continue
+            h.job, job = None, h.job
+            job.result()
+            if h.landed:
+                h.landed = False
+                self.device.current_stream().wait_event(h.uploaded)
+                h.group.regather()
+            else:
+                self._upload(h)
         if self.shard_sink is not None:
             self.shard_sink.after_update()
 
-    def _update(self, h: _Host, optimizer, grad_scale: float, reads, nxt: _Host | None):
-        if isinstance(reads, Future):
-            reads = reads.result()
-        h.grad_ready.synchronize()
-        grad = h.grad.to(torch.float32) if h.grad.dtype != torch.float32 else h.grad
-        if grad_scale != 1.0:
-            grad.mul_(grad_scale)
+    def _update(self, job: _Job) -> None:
+        h, optimizer = job.host, job.optimizer
+        self._queue.popleft()  # ``h``: the worker runs jobs in submission order
+        job.ready.synchronize()
+        grad = job.grad.to(torch.float32) if job.grad.dtype != torch.float32 else job.grad
+        if job.scale != 1.0:
+            grad.mul_(job.scale)
         master = h.group.master
         if self.store is not None:
-            self._swap_in(h, optimizer, reads)
-        next_reads = self._read_states(nxt) if (nxt is not None and self.store is not None) else None
+            self._swap_in(h, optimizer, self._prefetched.pop(id(h), None) or self._read_states(h))
+            nxt = self._queue[0] if self._queue else None
+            if nxt is not None:  # the next group's read is in flight while this one updates
+                self._prefetched[id(nxt)] = self._read_states(nxt)
         master.grad = grad
         optimizer.step()
         master.grad = None
         if h.uploaded is not None:
-            h.uploaded.synchronize()  # the previous step's upload of ``out`` is done
+            h.uploaded.synchronize()  # the previous upload of ``out`` is done
         if h.out is None:
             h.out = self.device.pinned_empty(master.shape, dtype=h.group.dtype)
         h.out.copy_(master)
         if self.store is not None:
             self._swap_out(h, optimizer)
-        return next_reads
+        if job.upload:
+            self._copy_up(h)
+            h.landed = True
+
+    def _destination(self, g: FlatParamGroup) -> torch.Tensor:
+        return g.shard if self.policy.shard_params else g.full[g.lo:g.hi]
+
+    def _copy_up(self, h: _Host) -> None:
+        dev = self.device
+        with dev.use_stream(self.h2d):
+            self._destination(h.group).copy_(h.out, non_blocking=True)
+            h.uploaded = dev.new_event()
+            h.uploaded.record(self.h2d)
 
     def _upload(self, h: _Host) -> None:
         g = h.group
         if self.shard_sink is not None and self.shard_sink.owns(g):
             self.shard_sink.write(g, h.out)
             return
-        dst = g.shard if self.policy.shard_params else g.full[g.lo:g.hi]
-        dev = self.device
-        self.h2d.wait_stream(dev.current_stream())
-        with dev.use_stream(self.h2d):
-            dst.copy_(h.out, non_blocking=True)
-            h.uploaded = dev.new_event()
-            h.uploaded.record(self.h2d)
-        dev.current_stream().wait_stream(self.h2d)
+        self.h2d.wait_stream(self.device.current_stream())
+        self._copy_up(h)
+        self.device.current_stream().wait_stream(self.h2d)
         g.regather()
 
     # -- NVMe: masters and states in the store -------------------------------------------------
@@ -278,6 +376,7 @@ class OptimizerOffload:
         """The master and state arrays of a group (host copies for NVMe), for checkpoints."""
         from .checkpoint_state import local_arrays
 
+        self.drain()
         if self.store is None:
             return local_arrays(g, self._optimizer)
         h = self.hosts[id(g)]
@@ -285,6 +384,7 @@ class OptimizerOffload:
         return {name: self.store.get(f"{h.key}/{name}") for name in h.names}
 
     def master_values(self, g: FlatParamGroup) -> torch.Tensor:
+        self.drain()
         if self.store is None:
             return g.master
         self.store.flush()
@@ -294,6 +394,7 @@ class OptimizerOffload:
         """Install loaded arrays (master and states) and publish the group's new parameters."""
         from .checkpoint_state import set_local_arrays
 
+        self.drain()
         h = self.hosts[id(g)]
         if self.store is None:
             set_local_arrays(g, self._optimizer, arrays, scalars)
@@ -312,6 +413,7 @@ class OptimizerOffload:
         self._optimizer = optimizer
 
     def close(self) -> None:
+        self.drain()
         self._worker.shutdown(wait=True)
         if self.store is not None:
             self.store.close()
@@ -319,6 +421,18 @@ class OptimizerOffload:
 
 def _step_tensor(value: float) -> torch.Tensor:
     return torch.tensor(float(value), dtype=torch.float32)
+
+
+def _frozen(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``optimizer`` with its hyperparameters as they are now: the same class, parameters and state, but
+    param groups of its own, so an update that runs after the lr scheduler has stepped uses this step's
+    lr (see [Note: delayed parameter update])."""
+    view = object.__new__(type(optimizer))  # not copy.copy: Optimizer.__getstate__ drops the hooks
+    view.__dict__.update(optimizer.__dict__)
+    view.__dict__.pop("step", None)  # the lr scheduler's call-counting wrapper of the real optimizer's step
+    view.param_groups = [{k: (v.clone() if isinstance(v, torch.Tensor) else copy.copy(v)) if k != "params" else v
+                          for k, v in g.items()} for g in optimizer.param_groups]
+    return view
 
 
 def _chain(first, then):
@@ -335,13 +449,20 @@ class OffloadStepper:
     def __init__(self, *, offload: OptimizerOffload, optimizer: torch.optim.Optimizer, topo: Topology,
                  scaler: LossScaler | None = None, clip_norm: float = 0.0):
         self.offload, self.optimizer, self.topo, self.scaler, self.clip_norm = offload, optimizer, topo, scaler, clip_norm
+        self.delayed_update = offload.config.delayed_update  # see [Note: delayed parameter update]
+        self.steps = 0
         offload.bind(optimizer)
+        # See [Note: overlapping the CPU update]; a delayed update starts in step() instead.
+        offload.early_start = clip_norm == 0 and scaler is None and self.delayed_update is None
 
     @property
     def loss_scale(self) -> float:
         return self.scaler.loss_scale if self.scaler is not None else 1.0
 
     def step(self) -> StepOutcome:
+        self.offload.drain()  # the previous step's delayed update lands before this one starts
+        delay = self.delayed_update is not None and self.steps >= self.delayed_update
+        self.steps += 1
         scale = self.loss_scale
         sq = self.offload.grad_norm_sq().reshape(1)
         all_reduce(sq, topo=self.topo, op=ReduceOp.SUM)  # see [Note: the global gradient norm]
@@ -350,5 +471,5 @@ class OffloadStepper:
             self.offload.discard()
             return StepOutcome(applied=False, grad_norm=math.nan, loss_scale=scale)
         coef = min(1.0, self.clip_norm / (norm + 1e-6)) if self.clip_norm > 0 else 1.0
-        self.offload.step(self.optimizer, coef / scale)
+        self.offload.step(self.optimizer, coef / scale, delay=delay)
         return StepOutcome(applied=True, grad_norm=norm, loss_scale=scale)

@@ -1,0 +1,172 @@
+"""The offloaded CPU update overlapped with the device (see [Note: overlapping the CPU update] and
+[Note: delayed parameter update] in zspeed.train.offload).
+
+* Without clipping and fp16 each group's update starts as soon as its gradient is on the host; the
+  results are bit for bit those of the unoverlapped path (the update after the whole backward).
+* With ``offload_optimizer.delayed_update = W`` (DPU), a reference that applies every update from step
+  W on one step late (the exact engine, whose published parameters the test replaces by the previous
+  step's) gives exactly DPU's losses, grad norms and final masters; steps up to W are exact.
+"""
+from __future__ import annotations
+
+import torch
+
+from tests.dist_utils import run_distributed
+from tests.engine_cases import Case, make_model
+from tests.test_offload import offload_config, run
+from zspeed.train.config import load_config
+from zspeed.train.engine import ZeroEngine
+
+WORLD = 2
+STEPS = 5
+WARMUP = 2  # delayed_update: exact steps before DPU starts
+
+
+def build(topo, stage: int, precision: str, offload: dict, *, clip: float, schedule: bool = False) -> ZeroEngine:
+    case = Case(kind="llama", stage=stage, precision=precision, gas=2, clip=clip)
+    cfg = case.ds_config(topo.world_size)
+    cfg["zero_optimization"].update(offload)
+    if schedule:  # the lr changes every step: a delayed update must use the lr of its own step
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": case.lr,
+                                                           "warmup_num_steps": STEPS, "warmup_type": "linear"}}
+    return ZeroEngine(module=make_model("llama"), config=load_config(cfg, world_size=topo.world_size), topo=topo)
+
+
+def _same(got: dict, want: dict, label: str) -> list[str]:
+    errors = []
+    if got["losses"] != want["losses"]:
+        errors.append(f"{label}: losses {got['losses']} vs {want['losses']}")
+    if got["norms"] != want["norms"]:
+        errors.append(f"{label}: grad norms {got['norms']} vs {want['norms']}")
+    errors += [f"{label}: parameter {n} differs" for n, w in want["params"].items()
+               if not torch.equal(got["params"][n], w)][:1]
+    return errors
+
+
+# -- exact overlap ----------------------------------------------------------------------------
+
+OVERLAP_CASES = [(1, "bf16", "optimizer", "cpu"), (2, "fp32", "optimizer", "cpu"), (2, "bf16", "optimizer", "nvme"),
+                 (3, "bf16", "optimizer", "cpu"), (3, "bf16", "both", "cpu")]
+
+
+def _overlap_grid(topo, root: str) -> list[str]:
+    errors = []
+    for stage, precision, kind, device in OVERLAP_CASES:
+        label = f"stage {stage} {precision} {kind} offload to {device}"
+        runs = {}
+        for early in (False, True):
+            engine = build(topo, stage, precision, offload_config(kind, device, f"{root}/{stage}{kind}{device}{early}"),
+                           clip=0.0)
+            assert engine.offload.early_start  # no clipping, no fp16: the overlapped path is the default
+            engine.offload.early_start = early
+            runs[early] = run(engine, topo, STEPS)
+            trainable = sum(g.trainable for g in engine.groups)
+            if engine.offload.early_updates != (STEPS * trainable if early else 0):
+                errors.append(f"{label}: {engine.offload.early_updates} updates started during backward, "
+                              f"expected {STEPS * trainable if early else 0}")
+        errors += _same(runs[True], runs[False], label)
+    return errors
+
+
+def test_overlapped_update_is_bit_exact(tmp_path):
+    errors = run_distributed(_overlap_grid, WORLD, str(tmp_path))
+    assert errors == [[], []], "\n".join(errors[0] + errors[1])
+
+
+def test_clipping_and_fp16_keep_the_update_in_step():
+    from zspeed.core.topology import Topology
+    topo = Topology.single()
+    for precision, clip in (("bf16", 1.0), ("fp16", 0.0)):
+        assert not build(topo, 2, precision, offload_config("optimizer", "cpu", ""), clip=clip).offload.early_start
+
+
+# -- delayed parameter update -----------------------------------------------------------------
+
+DPU_CASES = [(2, "bf16", "cpu", 1.0), (1, "fp32", "nvme", 1.0), (3, "bf16", "cpu", 0.0), (2, "fp16", "cpu", 1.0)]
+
+
+def _compute_params(engine) -> list[torch.Tensor]:
+    """The device copies the forward reads: ``full`` (stages 1-2, and gathered stage-3 groups), ``shard``."""
+    out = []
+    for g in engine.groups:
+        if g.trainable:
+            if g.full is not None and g.full.untyped_storage().size():
+                out.append(g.full)
+            if g.shard is not None:
+                out.append(g.shard)
+    return out
+
+
+class OneStepLate:
+    """Wraps an exact engine: from step ``warmup`` on, each step's published parameters are replaced by
+    those the previous step published (for step ``warmup``: those it started with)."""
+
+    def __init__(self, engine: ZeroEngine, warmup: int):
+        self.engine, self.warmup = engine, warmup
+        self.previous = None
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.engine(*args, **kwargs)
+
+    def step(self) -> None:
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        step = self.engine.global_steps
+        if boundary and step == self.warmup:
+            self.previous = [t.clone() for t in _compute_params(self.engine)]
+        self.engine.step()
+        if boundary and step >= self.warmup:
+            published = [t.clone() for t in _compute_params(self.engine)]
+            with torch.no_grad():
+                for t, old in zip(_compute_params(self.engine), self.previous):
+                    t.copy_(old)
+            self.previous = published
+
+
+def _dpu_grid(topo, root: str) -> list[str]:
+    errors = []
+    for stage, precision, device, clip in DPU_CASES:
+        label = f"stage {stage} {precision} offload to {device}, clip {clip}"
+        opt = offload_config("optimizer", device, f"{root}/{stage}{device}{precision}")
+
+        def cfg(delayed):
+            return {"offload_optimizer": dict(opt["offload_optimizer"], delayed_update=delayed,
+                                              nvme_path=f"{opt['offload_optimizer']['nvme_path']}{delayed}")}
+        dpu = build(topo, stage, precision, cfg(WARMUP), clip=clip, schedule=True)
+        got = run(dpu, topo, STEPS)
+        assert not dpu.offload._pending  # full_state_dict landed the last step's update
+        exact = build(topo, stage, precision, cfg(None), clip=clip, schedule=True)
+        exact.offload.early_start = False  # OneStepLate reads the parameters before step() as the old ones
+        want = run(OneStepLate(exact, WARMUP), topo, STEPS)
+        errors += _same(got, want, f"DPU {label} vs one step late")
+        if stage == 2 and precision == "bf16":  # off and warm-up: exact
+            exact = run(build(topo, stage, precision, cfg(None), clip=clip, schedule=True), topo, STEPS)
+            if got["losses"][:WARMUP + 1] != exact["losses"][:WARMUP + 1]:
+                errors.append(f"{label}: warm-up losses {got['losses']} vs exact {exact['losses']}")
+            if got["losses"][WARMUP + 1:] == exact["losses"][WARMUP + 1:]:
+                errors.append(f"{label}: DPU losses equal the exact ones after warm-up; is it on?")
+    return errors
+
+
+def test_delayed_update_is_the_exact_update_one_step_late(tmp_path):
+    errors = run_distributed(_dpu_grid, WORLD, str(tmp_path))
+    assert errors == [[], []], "\n".join(errors[0] + errors[1])
+
+
+def test_delayed_update_config_key():
+    import pytest
+    from zspeed.train.config import ConfigError, describe_keys
+
+    def parse(offload: dict):
+        cfg = {"train_micro_batch_size_per_gpu": 1,
+               "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", **offload}}}
+        return load_config(cfg, world_size=1).zero_optimization.offload_optimizer
+
+    assert parse({}).delayed_update is None and parse({"delayed_update": "3"}).delayed_update == 3
+    with pytest.raises(ConfigError, match="did you mean 'delayed_update'"):
+        parse({"delayed_updates": 2})
+    with pytest.raises(ConfigError, match="delayed_update must be >= 0"):
+        parse({"delayed_update": -1})
+    assert describe_keys()["zero_optimization.offload_optimizer.delayed_update"].startswith("zspeed extension")
