@@ -364,3 +364,20 @@ def test_adamw8bit_without_bitsandbytes_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # makes `import bitsandbytes` fail
     with pytest.raises(ImportError, match=r"pip install 'zspeed\[quant\]'"):
         build_optimizer(_params(), _opt_config({"type": "AdamW8bit", "params": {"lr": 1e-3}}))
+
+
+def test_aio_section_tunes_the_nvme_store(tmp_path):
+    """DeepSpeed's `aio` section is parsed (not refused) and sets the NVMe store's concurrency and chunk."""
+    from zspeed.train.param_offload import nvme_store_config
+
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1,
+                       "aio": {"block_size": 4 << 20, "queue_depth": 4, "thread_count": 2,
+                               "single_submit": False, "overlap_events": True}}, world_size=1)
+    store = nvme_store_config(tmp_path, cfg.aio)
+    assert (store.io_threads, store.chunk_bytes) == (8, 4 << 20)
+    defaults = load_config({"train_micro_batch_size_per_gpu": 1}, world_size=1).aio
+    assert defaults.requests_in_flight == 8  # DeepSpeed's defaults: 1 thread x queue depth 8
+    for bad, match in [({"block_size": 1000}, "multiple of 4096"), ({"queue_depth": 0}, ">= 1"),
+                       ({"use_gds": True}, "GPUDirect"), ({"thread_cnt": 2}, "did you mean 'thread_count'")]:
+        with pytest.raises(ConfigError, match=match):
+            load_config({"train_micro_batch_size_per_gpu": 1, "aio": bad}, world_size=1)

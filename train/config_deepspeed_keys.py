@@ -99,8 +99,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "compression_training": _never("compression-aware training (quantization and pruning schedules)"),
     "weight_quantization": _never("post-training weight quantization"),
     "quantize_training": _off("quantization-aware training (MoQ)"),
-    "aio": _never("asynchronous NVMe I/O tuning for DeepSpeed's libaio backend; zspeed's NVMe store "
-                  "does its own I/O"),
     "checkpoint": _never("checkpoint tag validation, universal checkpoints, node-local storage"),
     "data_types": _never("a separate dtype for gradient accumulation"),
     "compile": _never("deepspeed.compile / DeepCompile"),

@@ -286,6 +286,35 @@ class BF16Config:
     enabled: bool = key("train in bf16", False)
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AioConfig:
+    """``aio``: NVMe I/O tuning, as NVMe offload configs usually carry it. zspeed's NVMe
+    store (core/store.py) keeps ``thread_count × queue_depth`` reads or writes in flight
+    (one per I/O thread, O_DIRECT where the file system allows it) and moves data in
+    ``block_size`` chunks where a transfer needs a bounce buffer."""
+
+    SECTION: ClassVar[str] = "aio"
+    block_size: int = key("bytes per I/O request (the store's transfer chunk; a multiple of 4096)", 1_048_576)
+    queue_depth: int = key("requests in flight per I/O thread (zspeed: multiplies thread_count)", 8)
+    thread_count: int = key("I/O threads (zspeed: threads x queue_depth requests in flight)", 1)
+    single_submit: bool = key("libaio: submit requests one at a time; zspeed submits each request on "
+                              "its own thread, so true and false behave alike", False)
+    overlap_events: bool = key("libaio: overlap submission and completion; zspeed always overlaps", True)
+    use_gds: bool = key("GPUDirect Storage; zspeed reads into pinned host memory, so this must be false",
+                        False)
+
+    def __post_init__(self) -> None:
+        _check(self.block_size > 0 and self.block_size % 4096 == 0,
+               f"aio.block_size must be a positive multiple of 4096 bytes, got {self.block_size}")
+        _check(self.queue_depth >= 1 and self.thread_count >= 1,
+               f"aio.queue_depth and aio.thread_count must be >= 1, got {self.queue_depth} and {self.thread_count}")
+        _check(not self.use_gds, "aio.use_gds: zspeed does not support GPUDirect Storage; set it to false")
+
+    @property
+    def requests_in_flight(self) -> int:
+        return self.thread_count * self.queue_depth
+
+
 # -- ZeRO -----------------------------------------------------------------------
 
 def _check_offload(o: Any, section: str) -> None:
@@ -433,6 +462,7 @@ class ZSpeedConfig:
     zero_optimization: ZeroConfig = key("ZeRO partitioning", factory=ZeroConfig)
     activation_checkpointing: ActivationCheckpointingConfig | None = key(
         "activation checkpointing settings; null when the section is absent", None)
+    aio: AioConfig = key("NVMe I/O tuning for offload to NVMe", factory=AioConfig)
     steps_per_print: int = key("log every this many optimizer steps", 10)
     wall_clock_breakdown: bool = key("time forward, backward and step separately and log them", False)
     zero_allow_untested_optimizer: bool = key(

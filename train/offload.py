@@ -63,13 +63,13 @@ from typing import Any
 import torch
 
 from ..core.comm import ReduceOp, all_reduce
-from ..core.store import StoreConfig, TensorStore, Tier
+from ..core.store import TensorStore, Tier
 from ..core.topology import Topology
-from .config_schema import OffloadDevice, OffloadOptimizerConfig, ZSpeedConfig
+from .config_schema import AioConfig, OffloadDevice, OffloadOptimizerConfig, ZSpeedConfig
 from .loss_scaler import LossScaler
 from .optimizer_step import StepOutcome
 from .param_group_state import FlatParamGroup
-from .param_offload import ParamOffload
+from .param_offload import ParamOffload, nvme_store_config
 from .stage_policy import StagePolicy
 from .units import Unit
 
@@ -80,9 +80,10 @@ def build_offload(config: ZSpeedConfig, *, policy: StagePolicy,
                   topo: Topology) -> tuple["OptimizerOffload | None", ParamOffload | None]:
     """The offload objects ``config.zero_optimization`` asks for (None where it asks for none)."""
     z = config.zero_optimization
-    opt = OptimizerOffload(config=z.offload_optimizer, policy=policy, topo=topo) if z.offload_optimizer.enabled \
+    opt = OptimizerOffload(config=z.offload_optimizer, policy=policy, topo=topo, aio=config.aio) \
+        if z.offload_optimizer.enabled \
         else None
-    par = ParamOffload(config=z.offload_param, topo=topo) if z.offload_param.enabled else None
+    par = ParamOffload(config=z.offload_param, topo=topo, aio=config.aio) if z.offload_param.enabled else None
     if opt is not None:
         opt.shard_sink = par
     return opt, par
@@ -140,8 +141,9 @@ class _Job:
 class OptimizerOffload:
     """Masters and optimizer state off the device; see [Note: the offloaded step]."""
 
-    def __init__(self, *, config: OffloadOptimizerConfig, policy: StagePolicy, topo: Topology):
-        self.config, self.policy, self.topo = config, policy, topo
+    def __init__(self, *, config: OffloadOptimizerConfig, policy: StagePolicy, topo: Topology,
+                 aio: AioConfig | None = None):
+        self.config, self.policy, self.topo, self.aio = config, policy, topo, aio or AioConfig()
         self.device = topo.device
         # Gradients leave on their own stream so the copies overlap backward's compute and reductions.
         self.d2h = self.device.new_stream()
@@ -163,7 +165,7 @@ class OptimizerOffload:
 
     def _open_store(self) -> TensorStore:
         path = Path(self.config.nvme_path) / f"zspeed_optimizer_rank{self.topo.rank}"
-        return TensorStore(config=StoreConfig(tier=Tier.DISK, path=path), device=self.device)
+        return TensorStore(config=nvme_store_config(path, self.aio), device=self.device)
 
     # -- construction ------------------------------------------------------------------------
     def adopt(self, g: FlatParamGroup, key: str) -> None:

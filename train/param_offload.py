@@ -19,7 +19,7 @@ import torch
 from ..core.store import StoreConfig, TensorStore, Tier
 from ..core.streamer import Streamer, StreamerConfig, UnitSpec
 from ..core.topology import Topology
-from .config_schema import OffloadDevice, OffloadParamConfig
+from .config_schema import AioConfig, OffloadDevice, OffloadParamConfig
 from .param_group_state import FlatParamGroup
 from .units import Unit
 
@@ -29,8 +29,8 @@ __all__ = ["ParamOffload"]
 class ParamOffload:
     """The stage-3 shard source for offloaded units (see the module docstring)."""
 
-    def __init__(self, *, config: OffloadParamConfig, topo: Topology):
-        self.config, self.topo = config, topo
+    def __init__(self, *, config: OffloadParamConfig, topo: Topology, aio: AioConfig | None = None):
+        self.config, self.topo, self.aio = config, topo, aio or AioConfig()
         self.store = TensorStore(config=self._store_config(), device=topo.device)
         self.units: list[Unit] = []
         self._unit_of: dict[int, int] = {}  # id(group) -> streamer unit index
@@ -42,7 +42,7 @@ class ParamOffload:
     def _store_config(self) -> StoreConfig:
         if self.config.device is OffloadDevice.NVME:
             path = Path(self.config.nvme_path) / f"zspeed_params_rank{self.topo.rank}"
-            return StoreConfig(tier=Tier.DISK, path=path)
+            return nvme_store_config(path, self.aio)
         return StoreConfig(tier=Tier.CPU)
 
     # -- construction ------------------------------------------------------------------------
@@ -116,3 +116,8 @@ class ParamOffload:
         if self.streamer is not None:
             self.streamer.close()
         self.store.close()
+
+
+def nvme_store_config(path: Path, aio: AioConfig) -> StoreConfig:
+    """The NVMe (DISK tier) store for offload files, tuned by the config's ``aio`` section."""
+    return StoreConfig(tier=Tier.DISK, path=path, io_threads=aio.requests_in_flight, chunk_bytes=aio.block_size)
