@@ -172,6 +172,7 @@ class OptimizerOffload:
         """Move a freshly initialised group's master off the device (stage 3: keep a 16-bit device chunk)."""
         if not g.trainable:
             return
+        g.master_on_host = True
         if self.policy.shard_params:
             g.shard = g.master.to(g.dtype, copy=True)  # the gather source (see [Note: no 16-bit shard])
         host = torch.empty(g.master.shape, dtype=torch.float32, pin_memory=self._pin)

@@ -104,6 +104,7 @@ class FlatParamGroup:
         self.source: ShardSource | None = None  # stage 3 with parameter offload: where the chunk streams from
         self._gather: CollectiveHandle | None = None
         self._gather_src: torch.Tensor | None = None  # keeps the cast chunk alive until the gather ends
+        self.master_on_host = False  # set by optimizer offload, which then owns master.grad
         self._reductions: list[tuple[CollectiveHandle, torch.Tensor]] = []
         self._ready = 0
         self._hooks: list = []
@@ -331,7 +332,9 @@ class FlatParamGroup:
         if self.full_grad is not None and self.policy.keeps_full_grads:
             self.full_grad.zero_()
         self.grad_shard = None  # reallocated at the next step's first reduction
-        if self.master is not None:
+        if self.master is not None and not self.master_on_host:
+            # An offloaded master's .grad belongs to the CPU optimizer's worker thread, which sets and
+            # clears it itself; clearing it here could race a delayed update still running.
             self.master.grad = None
 
     def __repr__(self) -> str:
