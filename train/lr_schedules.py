@@ -109,7 +109,9 @@ class _ClosedForm(LRScheduler):
             self._apply()
 
     def lr_at(self, t: int, group: int) -> float:
-        raise NotImplementedError
+        """The learning rate of param group ``group`` at step ``t`` (each schedule defines it)."""
+        raise TypeError(f"{type(self).__name__} must define lr_at(t, group); use WarmupLR, WarmupDecayLR "
+                        "or WarmupCosineLR")
 
     def get_lr(self) -> list[float]:
         return [self.lr_at(self.last_epoch, i) for i in range(len(self.optimizer.param_groups))]
