@@ -250,6 +250,12 @@ class ZeroEngine:
         return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
 
+    def save_16bit_model(self, save_dir: str, save_filename: str = "model.safetensors") -> bool:
+        """The whole model's 16-bit weights in one safetensors file (DeepSpeed's method); collective.
+        At stage 3 only with ``stage3_gather_16bit_weights_on_model_save``. See :mod:`zspeed.train.save_16bit`."""
+        from .save_16bit import save_16bit_model
+        return save_16bit_model(self, save_dir, save_filename)
+
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
