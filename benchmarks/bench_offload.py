@@ -80,12 +80,8 @@ def build_capacity(system: str, cfg_model, ds: dict):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         engine, *_ = deepspeed.initialize(model=model, config=ds, model_parameters=model.parameters())
 
-    def step(ids):
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        return loss
-    return step
+    from bench_train import engine_step  # this script's folder is on sys.path
+    return engine_step(engine)
 
 
 def run_capacity_one(args) -> None:

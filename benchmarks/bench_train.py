@@ -53,6 +53,16 @@ def ds_config(args, stage: int, offload: bool, *, delayed_update: int | None = N
             "steps_per_print": 10 ** 9}
 
 
+def engine_step(engine):
+    """One training step through a DeepSpeed-style engine (zspeed's or DeepSpeed's): step(ids) -> loss."""
+    def step(ids):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        return loss
+    return step
+
+
 def build(system: str, args, model, device):
     """Return step(batch) -> loss for ``system``."""
     import torch
@@ -64,23 +74,13 @@ def build(system: str, args, model, device):
                         clip=0.0 if system.endswith("-noclip") else 1.0)
         engine, *_ = zspeed.initialize(model=model, config=cfg)
 
-        def step(ids):
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
-            return loss
-        return step
+        return engine_step(engine)
     if system.startswith("deepspeed"):
         import deepspeed
         engine, *_ = deepspeed.initialize(model=model, config=ds_config(args, stage, offload),
                                           model_parameters=model.parameters())
 
-        def step(ids):
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
-            return loss
-        return step
+        return engine_step(engine)
     model = model.to(device)
     if system == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
