@@ -5,7 +5,8 @@
     python benchmarks/bench_kernels.py --dry-run  # CPU, Triton interpreter, tiny shapes: checks the script only
 
 For each weight shape ``K x N`` (in x out) and each number of rows ``M`` it times,
-with ``triton.testing.do_bench`` (median, L2 flushed before every call):
+inside CUDA graphs with the L2 flushed before every call (GPU time per call, host
+launch cost excluded: kernels/_runtime.py, [Note: timing small kernels]):
 cuBLAS bf16 (``F.linear``), zspeed W4A16 (INT4 g128, asymmetric), W8A16, 2:4
 (bf16 kept values), 2:4 + INT4 (g128), each through every applicable path
 (split-K / tiled / dequantize + cuBLAS) and through the default policy; torch's
@@ -30,7 +31,10 @@ import torch.nn.functional as F
 
 SHAPES = [(8192, 8192), (8192, 28672), (28672, 8192)]  # (K in_features, N out_features)
 MS = [1, 4, 16, 64, 256, 4096]
-PATH_RANGE = {"splitk": (1, 256), "tiled": (16, 4096), "dense": (64, 4096)}  # M where a path is worth timing
+# M where a path is worth timing, per format (the generic split-K / tiled paths only where no word path runs)
+_WORD = {"gemv": (1, 16), "wdot": (4, 4096), "dense": (64, 4096)}
+_SPARSE = {"gemv": (1, 16), "splitk": (4, 64), "tiled": (64, 1024), "dense": (64, 4096)}
+PATH_RANGE = {"w4a16": _WORD, "w8a16": _WORD, "sparse24": {**_SPARSE, "semi": (64, 4096)}, "sparse24_w4a16": _SPARSE}
 TARGETS = [("w4a16", 1, 3.0), ("w4a16", 16, 2.5), ("w4a16", 64, 1.0), ("w8a16", 1, 1.8), ("sparse24", 1, 1.5),
            ("sparse24", 4096, 1.0), ("sparse24_w4a16", 1, 4.0)]
 
@@ -50,7 +54,8 @@ DEVICE = "cuda"
 
 
 def bench(fn, rep: int) -> float:
-    """Median milliseconds of ``fn()``."""
+    """GPU milliseconds of one ``fn()`` with a cold L2, in a CUDA graph (kernels/_runtime.py,
+    [Note: timing small kernels]); ``do_bench`` (eager, host launch included) if ``fn`` cannot be captured."""
     if DEVICE == "cpu":  # --dry-run
         times = []
         for _ in range(3):
@@ -58,9 +63,16 @@ def bench(fn, rep: int) -> float:
             fn()
             times.append((time.perf_counter() - start) * 1e3)
         return sorted(times)[1]
-    from triton.testing import do_bench
+    from zspeed.kernels._runtime import graph_time_ms
 
-    return do_bench(fn, warmup=10, rep=rep, return_mode="median")
+    try:
+        return graph_time_ms(fn, reps=max(5, rep // 2))
+    except Exception as e:  # noqa: BLE001  (a peer that cannot run inside a graph)
+        print(f"  [eager timing] {type(e).__name__}: {str(e)[:100]}", file=sys.stderr)
+        torch.cuda.synchronize()
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=10, rep=rep, return_mode="median")
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -157,6 +169,9 @@ CHECK_TOL = {"w4a16": 2e-2, "w8a16": 2e-2, "sparse24": 2e-2, "sparse24_w4a16": 2
              "tinygemm_int4": 2e-2, "semi_structured_24": 2e-2, "bnb_nf4": 0.15, "bnb_int8": 0.05}
 
 
+EAGER_ONLY = {"bnb_int8"}  # its host-side work cannot be captured in a CUDA graph (and breaks the capture)
+
+
 def timed(name: str, fn, ref, x, rep: int) -> dict:
     """Check ``fn(x)`` against ``ref(x)``, then time it."""
     try:
@@ -165,6 +180,11 @@ def timed(name: str, fn, ref, x, rep: int) -> dict:
         return {"error": f"{type(e).__name__}: {str(e)[:160]}"}
     if not err <= CHECK_TOL[name]:
         return {"error": f"wrong result: relative error {err:.3g}", "rel_err": err}
+    if name in EAGER_ONLY and DEVICE == "cuda":
+        from triton.testing import do_bench
+
+        return {"ms": do_bench(lambda: fn(x), warmup=10, rep=rep, return_mode="median"), "rel_err": err,
+                "timing": "eager (do_bench, host launch included)"}
     return {"ms": bench(lambda: fn(x), rep), "rel_err": err}
 
 
@@ -179,10 +199,10 @@ def run_shape(k: int, n: int, args) -> list[dict]:
         base_ms = bench(lambda: F.linear(x, wt["dense"]), args.rep)
         row = {"K": k, "N": n, "M": m, "cublas_bf16_ms": base_ms, "results": {}}
         for name, (fn, ref) in ours.items():
-            chosen = kernel_policy().path(name, m)
+            chosen = kernel_policy().path(name, m, semi=name == "sparse24")  # bf16 kept values on a GPU
             row["results"][name] = {**timed(name, lambda x_: fn(x_, None), ref, x, args.rep), "path": chosen}
             if not args.no_paths:
-                for path, (lo, hi) in PATH_RANGE.items():
+                for path, (lo, hi) in PATH_RANGE[name].items():
                     if lo <= m <= hi and path != chosen:
                         row["results"][f"{name}[{path}]"] = timed(name, lambda x_, p=path: fn(x_, p), ref, x, args.rep)
         for name, (fn, ref) in peers.items():
@@ -224,7 +244,7 @@ def print_report(rows: list[dict]) -> None:
         for name in ("w4a16", "w8a16", "sparse24", "sparse24_w4a16"):
             chosen = row["results"][name].get("path")
             cells = [f"{p}{'*' if p == chosen else ''}={_speedup(row, name if p == chosen else f'{name}[{p}]')}"
-                     for p in PATH_RANGE if p == chosen or f"{name}[{p}]" in row["results"]]
+                     for p in PATH_RANGE[name] if p == chosen or f"{name}[{p}]" in row["results"]]
             parts.append(f"{name}: " + " ".join(cells))
         print(f"  {row['K']}x{row['N']} M={row['M']}: " + " | ".join(parts))
     errors = [(row["K"], row["N"], row["M"], k, r["error"]) for row in rows for k, r in row["results"].items()
@@ -232,6 +252,11 @@ def print_report(rows: list[dict]) -> None:
     for e in errors:
         print(f"  ERROR {e[0]}x{e[1]} M={e[2]} {e[3]}: {e[4]}")
     _check_targets(rows)
+    from zspeed.kernels import _word
+
+    print("\nword-kernel configs chosen by tuning (path, format, group, zeros, M bucket, N, K, dtype -> config):")
+    for key, cfg in _word.tuned().items():
+        print(f"  {key[:7]} -> {cfg}")
 
 
 def _check_targets(rows: list[dict]) -> None:

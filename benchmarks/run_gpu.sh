@@ -19,6 +19,55 @@ run() {  # name, seconds, command...
   echo "== $name ($(date +%T), limit ${limit}s)"
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v -i "warn" | tail -30
 }
+# -- serve (issue 6): (a) streaming vs raw H2D, (b) a model over a GPU memory cap beside DeepSpeed ZeRO-Inference,
+# (c) the gRPC load test, (d) Llama-70B layers from disk over gRPC. One log and one JSON file for all of it;
+# per-step limits sum to 480 s. Sizes: llama-8b (32 layers, 16.1 GB bf16) written once and shared by (a)-(c);
+# under the 10 GiB cap both zspeed and DeepSpeed must stream it. (d) writes up to 8 llama-70b layers (1.7 GB
+# each, checkpoint + layer store 3.4 GB a layer) after the 8b files are deleted; the 64 GiB disk sets the count.
+serve_step() {  # name, seconds, command...
+  local name=$1 limit=$2 t0=$SECONDS; shift 2
+  echo "== serve/$name ($(date +%T), limit ${limit}s)" | tee -a "$OUT/serve.log"
+  timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$OUT/serve.log" \
+    | grep -v -i -E "warn|^\[zserve\]|it/s\]|shard/s\]|layer/s\]" | tail -n 12
+  echo "   serve/$name: exit ${PIPESTATUS[0]} after $((SECONDS - t0))s" | tee -a "$OUT/serve.log"
+}
+serve_section() {  # SERVE_DRY=1: the same steps on the CPU with the tiny preset, in seconds
+  local W=/tmp/zspeed-serve J="$OUT/serve.json" B=benchmarks/bench_serve.py
+  local small=llama-8b small_layers=32 large=llama-70b dev=auto engine=deepspeed max70=8
+  local lens=(--prompt-len 128 --new-tokens 16) load_lens=(--prompt-len 128 --new-tokens 32)
+  local nvme_lens=(--prompt-len 32)
+  if [[ ${SERVE_DRY:-0} == 1 ]]; then
+    small=tiny small_layers=2 large=tiny dev=cpu engine=hf max70=2 W=/tmp/zspeed-serve-dry
+    lens=(--prompt-len 16 --new-tokens 8) load_lens=(--prompt-len 16 --new-tokens 8)
+    nvme_lens=(--prompt-len 8 --window 1)
+  fi
+  local big=(--preset $small --weights-dir "$W" --device $dev --json "$J")
+  local capped=(--batch 1 16 64 "${lens[@]}" --max-num-batched-tokens 8192 --gpu-mem-cap-gib 10)
+  rm -f "$J"
+  serve_step env 15 python3 $B env --weights-dir "$W" --json "$J"
+  # The committed gRPC stubs need grpcio >= 1.85.1 and protobuf >= 7.35.1; where the image has older ones,
+  # (c) and (d) use wheels from .peers/serve/ installed aside (the image's own packages stay untouched).
+  local pyenv=()
+  if ! python3 -c "import zspeed.serve.server" >/dev/null 2>&1 && ls .peers/serve/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/zspeed-serve-site .peers/serve/*.whl \
+      && pyenv=(env "PYTHONPATH=/tmp/zspeed-serve-site${PYTHONPATH:+:$PYTHONPATH}") \
+      && echo "   gRPC stubs: using grpcio/protobuf from .peers/serve" | tee -a "$OUT/serve.log"
+  fi
+  serve_step synth 40 python3 -m zspeed.serve.cli synth --arch $small --out "$W/$small-${small_layers}l-bf16"
+  serve_step a-stream 75 python3 $B stream "${big[@]}" "${capped[@]}" --window 3
+  serve_step b-zero-inference 130 python3 $B zero-inference "${big[@]}" "${capped[@]}" --engine $engine
+  serve_step c-load 95 ${pyenv[@]+"${pyenv[@]}"} python3 $B load "${big[@]}" --offload none --batch 1 32 \
+    "${load_lens[@]}" --requests 64 --rate-fractions 0.5 0.8 --max-seconds 12
+  rm -rf "$W/$small-${small_layers}l-bf16"
+  local free_gb n70
+  free_gb=$(df -P -BG "$W" | awk 'NR==2 {print $4 + 0}')
+  n70=$(( (free_gb - 10) / 4 )); (( n70 > max70 )) && n70=$max70; (( n70 < 2 )) && n70=2
+  echo "   disk: ${free_gb} GB free in $W -> $large with $n70 layers" | tee -a "$OUT/serve.log"
+  serve_step d-nvme 115 ${pyenv[@]+"${pyenv[@]}"} python3 $B nvme --preset $large --num-layers $n70 \
+    --weights-dir "$W" --device $dev --json "$J" --window 3 "${nvme_lens[@]}" --new-tokens 4 --max-seconds 90
+  rm -rf "$W"
+  serve_step summary 10 python3 $B summary --json "$J"
+}
 for s in $sections; do
   case $s in
     comm) run comm 120 python3 -m torch.distributed.run --nproc-per-node 2 benchmarks/bench_comm.py --json "$OUT/comm.json" ;;
@@ -31,8 +80,7 @@ for s in $sections; do
                 --json "$OUT/offload.json" ;;
     capacity) run capacity 900 python3 benchmarks/bench_offload.py --mode capacity --json "$OUT/capacity.json" ;;
     kernels) run kernels 400 python3 benchmarks/bench_kernels.py ;;
-    serve) run serve 240 python3 benchmarks/bench_serve.py stream --preset llama-8b --num-layers 12 --window 3 \
-             --json "$OUT/serve_stream.json" ;;
+    serve) serve_section ;;
     *) echo "unknown section $s" ;;
   esac
 done

@@ -173,5 +173,18 @@ class DeviceHandle:
         if self.is_cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
 
+    def total_memory(self) -> int:
+        """The device's memory in bytes (0 on the CPU)."""
+        return torch.cuda.get_device_properties(self.device).total_memory if self.is_cuda else 0
+
+    def limit_memory(self, nbytes: int) -> None:
+        """Caps this process's caching allocator on the device at ``nbytes`` (no-op on the CPU).
+
+        Past the cap allocations raise ``torch.OutOfMemoryError`` as if the device
+        had only ``nbytes``: how benchmarks make a model "not fit" on a large GPU.
+        """
+        if self.is_cuda:
+            torch.cuda.set_per_process_memory_fraction(min(1.0, nbytes / self.total_memory()), self.device)
+
     def __str__(self) -> str:
         return str(self.device)

@@ -1,7 +1,11 @@
 """The matmul skeleton shared by every weight format: ``out = x @ W^T``.
 
-``x`` is ``(M, K)`` in bf16/fp16/fp32, ``W`` is ``(N, K)`` in a compressed format
-rebuilt tile by tile in registers by ``_tiles._load_w_tile``. Three paths:
+``x`` is ``(M, K)`` in bf16/fp16/fp32, ``W`` is ``(N, K)`` in a compressed format.
+Where the packed rows can be read as int32 words (every aligned shape), the
+word-wise paths of ``_word`` run: ``gemv`` for a few rows and ``wdot`` (INT8 and
+INT4) above that; they are the fast ones. The generic skeleton below handles
+every shape, rebuilding ``W`` tile by tile in registers with
+``_tiles._load_w_tile``. Its three paths:
 
 - **split-K** (small ``M``): the ``K`` loop is split over ``SPLIT_K`` programs so
   that a few output columns still fill the GPU; partial sums are added with
@@ -94,6 +98,7 @@ def _dot_f32(x: torch.Tensor) -> bool:
 
 
 PATHS = {"splitk": run_splitk, "tiled": run_tiled, "dense": run_dense}
+WORD_PATHS = ("gemv", "wdot")
 
 
 def launch(name: str, fmt: int, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,
@@ -103,9 +108,28 @@ def launch(name: str, fmt: int, x: torch.Tensor, w: torch.Tensor, s: torch.Tenso
 
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"{name}: x must be (M, {k}), got {tuple(x.shape)}")
-    path = path or kernel_policy().path(name, x.shape[0])
-    if path not in PATHS:
-        raise ValueError(f"{name}: unknown path {path!r}; use one of {sorted(PATHS)}")
+    from . import _word
+
+    view = _word.word_view(fmt, w, meta, k)
+    if path is None:
+        from .semi import semi_supported
+
+        semi = fmt == FMT_S24 and semi_supported(x, w)
+        path = kernel_policy().path(name, x.shape[0], words=view is not None, semi=semi)
+    if path not in PATHS and path not in WORD_PATHS and path != "semi":
+        raise ValueError(f"{name}: unknown path {path!r}; use one of {sorted([*PATHS, *WORD_PATHS, 'semi'])}")
     if x.shape[0] == 0:
         return x.new_empty(0, n)
+    if path == "semi":  # 2:4 on sparse tensor cores (kernels/semi.py)
+        if fmt != FMT_S24:
+            raise ValueError(f"{name}: the semi path runs plain 2:4 only; use gemv, splitk, tiled or dense")
+        from .semi import run_semi
+
+        return run_semi(x, w, meta)
+    if path in WORD_PATHS:
+        if view is None:
+            raise ValueError(f"{name}: path {path!r} needs rows readable as int32 words (K={k} a multiple of "
+                             f"{_word.CPW[fmt]}, contiguous, bf16 values for 2:4); use splitk, tiled or dense")
+        run = _word.run_gemv if path == "gemv" else _word.run_wdot
+        return run(x.contiguous(), view[0], s, z, view[1], fmt=fmt, group=group, n=n, k=k)
     return PATHS[path](x.contiguous(), w, s, z, meta, fmt=fmt, group=group, n=n, k=k)

@@ -37,3 +37,54 @@ def bench_fn(fn, quantiles):
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+
+
+def graph_time_ms(fn, *, reps: int = 20, flush_mib: int = 128, trials: int = 5) -> float:
+    """GPU milliseconds of one ``fn()`` call with a cold L2, host launch cost excluded.
+
+    [Note: timing small kernels] A weight-only matmul at batch 1 runs for 10-100 µs,
+    less than the host needs to launch a Triton kernel through Python, so timing
+    eager calls measures the host. Decoding runs in CUDA graphs, so that is how
+    kernels are timed: ``reps`` pairs of (L2 flush, ``fn``) captured in one graph,
+    minus a graph of the flushes alone, per call. ``fn`` runs once before capture
+    (compilation, tuning)."""
+    import torch
+
+    cache = torch.empty(flush_mib << 20, dtype=torch.int8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+
+    def capture(body):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            body()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            body()
+        return graph
+
+    def both():
+        for _ in range(reps):
+            cache.zero_()
+            fn()
+
+    def flush():
+        for _ in range(reps):
+            cache.zero_()
+
+    def replay_ms(graph) -> float:
+        graph.replay()
+        times = []
+        for _ in range(trials):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[trials // 2]
+
+    g_both, g_flush = capture(both), capture(flush)
+    return max(replay_ms(g_both) - replay_ms(g_flush), 0.0) / reps

@@ -1,8 +1,14 @@
 """Which matmul path runs for a given number of rows ``M``.
 
 [Note: crossover] At small ``M`` a weight-only layer is bound by weight bytes, so
-reading 4-bit or sparse weights wins; split-K keeps the GPU full when the output
-has few tiles. At medium ``M`` a tiled GEMM still saves bytes. At large ``M`` the
+reading 4-bit or sparse weights wins: ``gemv`` (word-wise, CUDA cores) for up to
+``gemv_max_m`` rows, then ``wdot`` (word-wise, tensor cores) for INT8/INT4 up to
+``dense_min_m``; plain 2:4 from ``semi_min_m`` rows on runs on the sparse tensor
+cores (``semi``). The defaults come from the H200 run in benchmarks/RESULTS.md
+(gemv beats wdot only at one row; wdot beats dequantize + cuBLAS up to 64 rows;
+sparse tensor cores beat everything for 2:4 from 256 rows). Shapes the word kernels cannot read, and the 2:4 formats above
+``gemv_max_m``, use the generic skeleton: split-K keeps the GPU full when the
+output has few tiles. At medium ``M`` a tiled GEMM still saves bytes. At large ``M`` the
 matmul is compute-bound and cuBLAS beats any Triton GEMM, so the weight is
 dequantized once (cost ~ one pass over the dense weight) and handed to cuBLAS.
 The thresholds are per format; ``benchmarks/bench_kernels.py`` prints every path
@@ -13,36 +19,48 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
-PATH_NAMES = ("splitk", "tiled", "dense")
+PATH_NAMES = ("gemv", "wdot", "splitk", "tiled", "dense", "semi")
+WDOT_FORMATS = ("w8a16", "w4a16")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class KernelPolicy:
-    """Row-count thresholds: split-K for ``M <= splitk_max_m``, dense (dequantize +
-    cuBLAS) for ``M >= dense_min_m[format]``, tiled in between. ``force`` pins one
-    path for every call (benchmarks, debugging); the env var ``ZSPEED_KERNEL_PATH``
-    does the same."""
+    """Row-count thresholds: word-wise ``gemv`` for ``M <= gemv_max_m``; dense (dequantize
+    + cuBLAS) for ``M >= dense_min_m[format]``; in between ``wdot`` for INT8/INT4, and
+    for the rest split-K up to ``splitk_max_m`` then tiled. ``force`` pins one path for
+    every call (benchmarks, debugging); the env var ``ZSPEED_KERNEL_PATH`` does the same."""
 
+    gemv_max_m: int = 1
     splitk_max_m: int = 64
-    dense_min_m: tuple[tuple[str, int], ...] = (("w8a16", 1024), ("w4a16", 1024), ("sparse24", 512),
-                                                 ("sparse24_w4a16", 1024))
+    dense_min_m: tuple[tuple[str, int], ...] = (("w8a16", 128), ("w4a16", 128), ("sparse24", 512),
+                                                 ("sparse24_w4a16", 128))
+    semi_min_m: int = 128
     force: str | None = None
 
     def __post_init__(self) -> None:
         if self.force is not None and self.force not in PATH_NAMES:
             raise ValueError(f"KernelPolicy.force={self.force!r} is invalid: use None or one of {PATH_NAMES}")
-        if self.splitk_max_m < 0:
-            raise ValueError(f"KernelPolicy.splitk_max_m={self.splitk_max_m} is invalid: use a count >= 0")
+        if self.splitk_max_m < 0 or self.gemv_max_m < 0:
+            raise ValueError(f"KernelPolicy thresholds must be counts >= 0, got gemv_max_m={self.gemv_max_m}, "
+                             f"splitk_max_m={self.splitk_max_m}")
 
-    def path(self, fmt: str, m: int) -> str:
+    def path(self, fmt: str, m: int, *, words: bool = True, semi: bool = False) -> str:
+        """The path for ``m`` rows; ``words``: whether the weight can be read word-wise (``_word.word_view``);
+        ``semi``: whether plain 2:4 can run on sparse tensor cores (``semi.semi_supported``)."""
         forced = self.force or os.environ.get("ZSPEED_KERNEL_PATH") or None
         if forced:
             if forced not in PATH_NAMES:
                 raise ValueError(f"ZSPEED_KERNEL_PATH={forced!r} is invalid: use one of {PATH_NAMES}")
             return forced
-        if m <= self.splitk_max_m:
-            return "splitk"
-        return "dense" if m >= dict(self.dense_min_m).get(fmt, 1024) else "tiled"
+        if words and m <= self.gemv_max_m:
+            return "gemv"
+        if semi and fmt == "sparse24" and m >= self.semi_min_m:
+            return "semi"
+        if m >= dict(self.dense_min_m).get(fmt, 1024):
+            return "dense"
+        if words and fmt in WDOT_FORMATS:
+            return "wdot"
+        return "splitk" if m <= self.splitk_max_m else "tiled"
 
 
 _POLICY = KernelPolicy()

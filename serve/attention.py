@@ -7,10 +7,11 @@ with no padding. Only attention needs to know which token belongs to which
 sequence. Hugging Face lets a model pick its attention function by name
 (``config._attn_implementation``); we register :func:`slot_attention` as
 ``"zspeed_slots"`` and hand it a :class:`LayerAttention` through the keyword
-arguments that the decoder layer passes down untouched. For each sequence it
-writes the new keys and values into the sequence's cache slot and attends
-over the slot's first ``start + length`` entries, so the layer's own code
-(projections, rotary embedding, output projection) is Hugging Face's.
+arguments that the decoder layer passes down untouched. It writes the step's
+new keys and values into their sequences' cache slots (one indexed copy for
+all of them), then for each sequence attends over its slot's first
+``start + length`` entries, so the layer's own code (projections, rotary
+embedding, output projection) is Hugging Face's.
 
 The per-sequence call mirrors what Hugging Face's ``sdpa`` path does for one
 unpadded sequence (``is_causal`` for a whole prompt, no mask for one token,
@@ -53,11 +54,14 @@ class Segment:
 
 @dataclass(frozen=True, slots=True)
 class LayerAttention:
-    """What :func:`slot_attention` needs for one layer of one step."""
+    """What :func:`slot_attention` needs for one layer of one step: the segments, and per packed token
+    its cache slot and position (``(N,)`` device tensors, made once per step by the runner)."""
 
     cache: KVCache
     layer: int
     segments: tuple[Segment, ...]
+    token_slots: torch.Tensor
+    token_positions: torch.Tensor
 
 
 def chunk_mask(segment: Segment, device: torch.device) -> torch.Tensor | None:
@@ -89,20 +93,21 @@ def slot_attention(
     """
     if zspeed is None:
         raise RuntimeError(f"attention {ATTN_IMPLEMENTATION!r} runs only inside zspeed's model runner")
+    if sliding_window is not None and any(seg.kv_length > sliding_window for seg in zspeed.segments):
+        raise NotImplementedError(f"sequences longer than the sliding window ({sliding_window}) are not supported")
     gqa = query.shape[1] != key.shape[1]
-    out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])  # (1, N, H, D)
+    # every sequence's new keys and values at once; each segment below reads only its own slot
+    zspeed.cache.write_tokens(zspeed.layer, zspeed.token_slots, zspeed.token_positions, key[0], value[0])
+    outs = []
     for seg in zspeed.segments:
-        if sliding_window is not None and seg.kv_length > sliding_window:
-            raise NotImplementedError(f"sequences longer than the sliding window ({sliding_window}) are not supported")
-        zspeed.cache.write(zspeed.layer, seg.slot, seg.start, key[0, :, seg.rows], value[0, :, seg.rows])
         k, v = zspeed.cache.read(zspeed.layer, seg.slot, seg.kv_length)  # (kvH, L, D) each
         mask = chunk_mask(seg, query.device)
         o = F.scaled_dot_product_attention(
             query[:, :, seg.rows], k[None], v[None], attn_mask=mask, scale=scaling,
             is_causal=seg.length > 1 and mask is None, enable_gqa=gqa,
         )  # (1, H, length, D)
-        out[:, seg.rows] = o.transpose(1, 2)
-    return out, None
+        outs.append(o.transpose(1, 2))
+    return torch.cat(outs, dim=1), None  # (1, N, H, D): the segments tile the packed row in order
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, slot_attention)

@@ -90,13 +90,28 @@ class KVCache:
         return self.config.slots * self.config.max_len
 
     # -- per layer ---------------------------------------------------------------
+    def check_span(self, start: int, end: int) -> None:
+        """Raises :class:`KVCacheFullError` if positions ``start .. end-1`` do not fit a slot."""
+        if end > self.config.max_len:
+            raise KVCacheFullError(f"write of positions {start}..{end - 1} past max_len={self.config.max_len}")
+
     def write(self, layer: int, slot: int, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Stores ``key``/``value`` ``(kv_heads, t, head_dim)`` at positions ``start .. start+t-1``."""
         end = start + key.shape[1]
-        if end > self.config.max_len:
-            raise KVCacheFullError(f"write of positions {start}..{end - 1} past max_len={self.config.max_len}")
+        self.check_span(start, end)
         self.keys[layer, slot, :, start:end] = key
         self.values[layer, slot, :, start:end] = value
+
+    def write_tokens(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor) -> None:
+        """Stores a packed step's ``key``/``value`` ``(kv_heads, N, head_dim)``: token n at position
+        ``positions[n]`` of slot ``slots[n]`` (both ``(N,)`` on the device), one indexed copy per tensor.
+
+        The same bytes as :meth:`write` per sequence, without a Python call per sequence and layer.
+        Bounds are the caller's to check (:meth:`check_span`): checking device indices would synchronise.
+        """
+        self.keys[layer, slots, :, positions] = key.transpose(0, 1)  # (N, kv_heads, head_dim)
+        self.values[layer, slots, :, positions] = value.transpose(0, 1)
 
     def read(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of the first ``length`` keys and values, each ``(kv_heads, length, head_dim)``."""

@@ -6,11 +6,20 @@ where real weights are not at hand. :func:`write_random_checkpoint` writes a
 Hugging Face folder (``config.json``, one safetensors shard per decoder layer
 plus one for the rest, ``model.safetensors.index.json``) that any loader of HF
 checkpoints reads, holding one layer in memory at a time.
+
+[Note: parallel random fill] Drawing normals is the slow part of writing a
+large random checkpoint (about 200 M values/s on one core: 45 s for eight
+Llama-70B layers). Each tensor is therefore drawn in chunks of ``_CHUNK``
+values, each from a generator seeded by (seed, tensor name, chunk index), on
+a thread pool (``normal_`` releases the GIL), so the values depend on the
+seed alone, not on the number of threads.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -30,6 +39,7 @@ PRESETS: dict[str, dict] = {
 }
 
 INDEX_FILE = "model.safetensors.index.json"
+_CHUNK = 1 << 22  # values drawn by one generator (see [Note: parallel random fill])
 
 
 def preset_config(name: str, *, num_layers: int | None = None, dtype: torch.dtype = torch.bfloat16):
@@ -64,16 +74,16 @@ def write_random_checkpoint(arch, out_dir: str | os.PathLike, *, num_layers: int
     (out / INDEX_FILE).unlink(missing_ok=True)
     config.save_pretrained(out)
     groups = _tensor_groups(config)
-    gen = torch.Generator().manual_seed(seed)
     std = getattr(config, "initializer_range", 0.02)
     weight_map, total = {}, 0
-    for n, (_, shapes) in enumerate(tqdm(groups, desc="random weights", unit="shard", disable=not progress)):
-        shard = f"model-{n + 1:05d}-of-{len(groups):05d}.safetensors"
-        tensors = {name: _random(name, shape, dtype, std, gen) for name, shape in shapes.items()}
-        save_file(tensors, str(out / shard), metadata={"format": "pt"})
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-        weight_map.update(dict.fromkeys(tensors, shard))
-        del tensors
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="zspeed-random") as pool:
+        for n, (_, shapes) in enumerate(tqdm(groups, desc="random weights", unit="shard", disable=not progress)):
+            shard = f"model-{n + 1:05d}-of-{len(groups):05d}.safetensors"
+            tensors = {name: _random(name, shape, dtype, std, seed, pool) for name, shape in shapes.items()}
+            save_file(tensors, str(out / shard), metadata={"format": "pt"})
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
+            weight_map.update(dict.fromkeys(tensors, shard))
+            del tensors
     index = {"metadata": {"total_size": total, "zspeed_random_seed": seed}, "weight_map": weight_map}
     (out / INDEX_FILE).write_text(json.dumps(index, indent=1))
     return out
@@ -101,9 +111,21 @@ def _tensor_groups(config) -> list[tuple[str, dict[str, tuple[int, ...]]]]:
     return list(groups.items())
 
 
-def _random(name: str, shape: tuple[int, ...], dtype: torch.dtype, std: float, gen: torch.Generator) -> torch.Tensor:
+def _random(name: str, shape: tuple[int, ...], dtype: torch.dtype, std: float, seed: int,
+            pool: ThreadPoolExecutor) -> torch.Tensor:
+    """Norms at one, biases at zero, the rest normal(0, std) drawn in parallel chunks
+    (see [Note: parallel random fill])."""
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=dtype)
     if name.endswith(".bias"):
         return torch.zeros(shape, dtype=dtype)
-    return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=gen).to(dtype)
+    out = torch.empty(shape, dtype=dtype)
+    flat = out.view(-1)
+    base = int.from_bytes(hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=5).digest(), "little") << 20
+
+    def fill(start: int) -> None:
+        gen = torch.Generator().manual_seed(base + start // _CHUNK)
+        flat[start:start + _CHUNK].normal_(0.0, std, generator=gen)
+
+    list(pool.map(fill, range(0, flat.numel(), _CHUNK)))
+    return out

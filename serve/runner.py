@@ -43,6 +43,7 @@ class StepPlan:
 
     token_ids: tuple[int, ...]
     positions: tuple[int, ...]
+    slots: tuple[int, ...]  # each token's KV-cache slot
     segments: tuple[Segment, ...]
     sampled: tuple[tuple[int, SamplingParams], ...]  # (seq_id, params) per row of ``sample_rows``
     sample_rows: tuple[int, ...]
@@ -105,6 +106,7 @@ class ModelRunner:
         """Packs the batch; sequences with token ids outside the vocabulary fail alone."""
         ids: list[int] = []
         positions: list[int] = []
+        slots: list[int] = []
         segments: list[Segment] = []
         sampled: list[tuple[int, SamplingParams]] = []
         rows: list[int] = []
@@ -117,44 +119,48 @@ class ModelRunner:
             if bad is not None:
                 failed[seq_id] = f"token id {bad} is outside the vocabulary (size {vocab})"
                 continue
+            self.cache.check_span(start, start + len(tokens))
             slot = self.cache.allocate(seq_id) if start == 0 else self.cache.slot(seq_id)
             segments.append(Segment(slot=slot, start=start, length=len(tokens), offset=len(ids)))
             ids += tokens
             positions += range(start, start + len(tokens))
+            slots += [slot] * len(tokens)
             if samples:
                 sampled.append((seq_id, params))
                 rows.append(len(ids) - 1)
-        plan = StepPlan(tuple(ids), tuple(positions), tuple(segments), tuple(sampled), tuple(rows))
+        plan = StepPlan(tuple(ids), tuple(positions), tuple(slots), tuple(segments), tuple(sampled), tuple(rows))
         return plan, failed
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
         """Hidden states ``(S, hidden)`` of the rows that are sampled."""
-        ids, positions, rows = self._inputs(plan)
+        ids, positions, slots, rows = self._inputs(plan)
         hidden = self.model.embed(ids)  # (1, N, hidden)
         rotary = self.model.rotary(hidden, positions)  # cos, sin: (1, N, head_dim) each
+        token_positions = positions[0]  # (N,)
         layers = self.model.layers
         for i in range(len(layers)):
             layer = layers.acquire(i)
             try:
                 out = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=rotary,
-                            zspeed=LayerAttention(self.cache, i, plan.segments))
+                            zspeed=LayerAttention(self.cache, i, plan.segments, slots, token_positions))
                 hidden = out[0] if isinstance(out, tuple) else out  # transformers < 5 returns a tuple
             finally:
                 layers.release(i)
         return hidden[0].index_select(0, rows)  # (S, hidden)
 
-    def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Token ids ``(1, N)``, positions ``(1, N)`` and sampled rows ``(S,)`` on the device.
+    def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token ids ``(1, N)``, positions ``(1, N)``, cache slots ``(N,)`` and sampled rows ``(S,)``
+        on the device.
 
         One non-blocking copy from pinned memory: ``torch.tensor(..., device=cuda)``
         would synchronise the stream, once per tensor, and the sampled rows'
         sync would hold the output head back until every layer had run.
         """
         n = len(plan.token_ids)
-        values = torch.tensor([*plan.token_ids, *plan.positions, *plan.sample_rows], dtype=torch.long)
+        values = torch.tensor([*plan.token_ids, *plan.positions, *plan.slots, *plan.sample_rows], dtype=torch.long)
         host = self.device.pinned_empty(values.shape, dtype=torch.long).copy_(values)
         inputs = host.to(self.device.device, non_blocking=True)
-        return inputs[:n][None], inputs[n:2 * n][None], inputs[2 * n:]
+        return inputs[:n][None], inputs[n:2 * n][None], inputs[2 * n:3 * n], inputs[3 * n:]
 
     def _report(self) -> None:
         if self._observer is None:

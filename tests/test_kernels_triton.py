@@ -31,7 +31,8 @@ import triton  # noqa: E402,F401  (a declared dependency: the [kernels] extra)
 
 # (M, N, K): odd M, N not a multiple of the 32-wide tiles, K both aligned and not.
 SHAPES = [(1, 48, 64), (3, 160, 96), (17, 72, 256)]
-PATHS = ["splitk", "tiled", "dense"]
+PATHS = ["gemv", "wdot", "splitk", "tiled", "dense"]
+SPARSE_PATHS = ["gemv", "splitk", "tiled", "dense"]  # wdot is INT8/INT4 only
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 
 
@@ -70,20 +71,20 @@ def test_w4a16_matches_reference(m, n, k, group, sym, path):
 
 
 @needs_interp
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", SPARSE_PATHS)
 @pytest.mark.parametrize("m,n,k", [(1, 48, 64), (3, 160, 72), (17, 72, 256)])
 def test_sparse24_matches_reference(m, n, k, path):
     dtype = [torch.float32, torch.bfloat16, torch.float16][m % 3]
     x, w = _inputs(m, n, k, dtype, seed=2)
     s = compress_nm(prune_nm(w, w.abs(), n=2, m=4))
-    values = s.values.to(dtype)
+    values = s.values.to(torch.bfloat16 if path == "gemv" else dtype)  # the word kernel reads bf16 values
     _close(sparse24_matmul(x, values, s.meta, path=path), sparse24_ref(x, values, s.meta), dtype)
 
 
 @needs_interp
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", SPARSE_PATHS)
 @pytest.mark.parametrize("m,n,k,group,sym", [(1, 48, 64, 32, False), (3, 160, 128, 64, True),
-                                             (17, 72, 256, 128, False)])
+                                             (17, 72, 256, 128, False), (2, 40, 80, 16, True)])
 def test_sparse24_int4_matches_reference(m, n, k, group, sym, path):
     dtype = [torch.float32, torch.bfloat16, torch.float16][m % 3]
     x, w = _inputs(m, n, k, dtype, seed=3)
@@ -113,6 +114,47 @@ def test_bad_shapes_are_rejected():
         w8a16_matmul(x[:, :32], q.qweight, q.scales)
     with pytest.raises(ValueError, match="unknown path"):
         w8a16_matmul(x, q.qweight, q.scales, path="fastest")
+
+
+@needs_interp
+def test_word_paths_refuse_what_they_cannot_read():
+    """gemv/wdot name the shape or format they cannot take; the policy routes those elsewhere."""
+    from zspeed.kernels import kernel_policy
+
+    x, w = _inputs(2, 40, 64, torch.float32)
+    s = compress_nm(prune_nm(w, w.abs(), n=2, m=4))
+    with pytest.raises(ValueError, match="wdot path has no kernel"):
+        sparse24_matmul(x, s.values.to(torch.bfloat16), s.meta, path="wdot")
+    with pytest.raises(ValueError, match="bf16 values for 2:4"):
+        sparse24_matmul(x, s.values, s.meta, path="gemv")  # fp32 kept values: not word-readable
+    policy = kernel_policy()
+    assert policy.path("w4a16", 1) == "gemv" and policy.path("w4a16", 64) == "wdot"
+    assert policy.path("w4a16", 4096) == "dense" and policy.path("sparse24", 16) == "splitk"
+    assert policy.path("w4a16", 1, words=False) == "splitk" and policy.path("w8a16", 100, words=False) == "tiled"
+    assert policy.path("sparse24", 4096, semi=True) == "semi" and policy.path("sparse24", 4096) == "dense"
+    with pytest.raises(ValueError, match="semi path needs CUDA"):
+        sparse24_matmul(x, s.values.to(torch.bfloat16), s.meta, path="semi")
+    torch.testing.assert_close(sparse24_matmul(x, s.values, s.meta), sparse24_ref(x, s.values, s.meta))
+
+
+@needs_interp
+def test_gemv_splits_k_and_matches_without_splitting(monkeypatch):
+    """The split-K variant (fp32 atomics, cast after), every prefetch depth and both x layouts give the reference."""
+    from zspeed.kernels import _word
+
+    x, w = _inputs(1, 24, 512, torch.bfloat16, seed=5)
+    q = quantize_int4(w, group_size=128)
+    outs = []
+    for split, prefetch, x2d, xnat in ((1, 1, False, False), (4, 2, True, False), (2, 0, False, False),
+                                       (1, 1, True, True)):
+        cfg = _word.WordConfig(1, 16, 4, split, 1, prefetch=prefetch, x2d=x2d, xnat=xnat)
+        monkeypatch.setattr(_word, "gemv_candidates", lambda *a, cfg=cfg: [cfg])
+        _word._BEST.clear()
+        outs.append(w4a16_matmul(x, q.qweight, q.scales, q.zeros, 128, path="gemv"))
+    _word._BEST.clear()
+    ref = w4a16_ref(x, q.qweight, q.scales, q.zeros, 128)
+    for out in outs:
+        _close(out, ref, torch.bfloat16)
 
 
 def _run_in_subprocess():

@@ -12,12 +12,17 @@ or the parameter store with parameter offload, :mod:`zspeed.train.param_offload`
    pinned buffer) and its squared norm is taken there (a device scalar).
 2. ``step()``: one all-reduce of the summed squares gives the global norm,
    which gates the step (fp16 overflow) and sets the clip coefficient.
-3. A worker thread updates group after group: wait for the group's gradient,
-   unscale and clip it, run torch's optimizer (fused AdamW on the CPU) on that
-   master only (the other masters have no ``.grad``, so torch skips them), and
-   cast the master into a pinned 16-bit buffer. With NVMe the master and its
-   states are read from the store first (the next group's read is in flight
-   while this one updates) and written back after.
+3. A worker thread updates group after group: wait for the group's gradient;
+   with torch's fused Adam/AdamW, walk the group in cache-sized chunks, each
+   cast to fp32, unscaled and clipped, stepped by the fused kernel and cast into
+   a pinned 16-bit buffer while it is in cache (see [Note: the chunked host
+   update] in :mod:`zspeed.train.host_adam`: bit for bit ``optimizer.step()``);
+   with any other optimizer, unscale and clip the gradient in a persistent fp32
+   buffer, run ``optimizer.step()`` on that master only (the other masters have
+   no ``.grad``, so torch skips them) and cast the master. Neither allocates
+   per step. With NVMe the master and its states are read from the store first
+   (the next group's read is in flight while this one updates) and written
+   back after.
 4. Meanwhile the main thread takes the groups in the same order: it copies each
    updated 16-bit chunk to the device on the H2D stream and all-gathers it, so
    the upload and gather of group i overlap the update of group i+1.
@@ -66,6 +71,7 @@ from ..core.comm import ReduceOp, all_reduce
 from ..core.store import TensorStore, Tier
 from ..core.topology import Topology
 from .config_schema import AioConfig, OffloadDevice, OffloadOptimizerConfig, ZSpeedConfig
+from .host_adam import Scratch, chunked_adam_update, fused_adam_plan, record_step
 from .loss_scaler import LossScaler
 from .optimizer_step import StepOutcome
 from .param_group_state import FlatParamGroup
@@ -162,6 +168,7 @@ class OptimizerOffload:
         self._pending: list[_Host] = []  # a delayed update, landing at the next step()
         self._parity = 0  # which of a host's two gradient buffers this step writes
         self.store = self._open_store() if config.device is OffloadDevice.NVME else None
+        self._scratch = Scratch()  # the worker's fp32 gradient buffer (see [Note: the chunked host update])
 
     def _open_store(self) -> TensorStore:
         path = Path(self.config.nvme_path) / f"zspeed_optimizer_rank{self.topo.rank}"
@@ -308,28 +315,40 @@ class OptimizerOffload:
         h, optimizer = job.host, job.optimizer
         self._queue.popleft()  # ``h``: the worker runs jobs in submission order
         job.ready.synchronize()
-        grad = job.grad.to(torch.float32) if job.grad.dtype != torch.float32 else job.grad
-        if job.scale != 1.0:
-            grad.mul_(job.scale)
         master = h.group.master
         if self.store is not None:
             self._swap_in(h, optimizer, self._prefetched.pop(id(h), None) or self._read_states(h))
             nxt = self._queue[0] if self._queue else None
             if nxt is not None:  # the next group's read is in flight while this one updates
                 self._prefetched[id(nxt)] = self._read_states(nxt)
-        master.grad = grad
-        optimizer.step()
-        master.grad = None
         if h.uploaded is not None:
-            h.uploaded.synchronize()  # the previous upload of ``out`` is done
+            h.uploaded.synchronize()  # the previous upload of ``out`` is done: this update rewrites it
         if h.out is None:
             h.out = self.device.pinned_empty(master.shape, dtype=h.group.dtype)
-        h.out.copy_(master)
+        plan = fused_adam_plan(optimizer, master)
+        if plan is not None:  # see [Note: the chunked host update]
+            chunked_adam_update(plan, master=master, grad=job.grad, scale=job.scale, out=h.out, scratch=self._scratch)
+            record_step(optimizer)
+        else:
+            self._step_whole(job, master)
+            h.out.copy_(master)
         if self.store is not None:
             self._swap_out(h, optimizer)
         if job.upload:
             self._copy_up(h)
             h.landed = True
+
+    def _step_whole(self, job: _Job, master: torch.Tensor) -> None:
+        """Any other optimizer: one ``optimizer.step()`` with ``master.grad = fp32(grad) × scale``, the
+        fp32 gradient in the persistent scratch (a fresh tensor per step would page-fault all of it)."""
+        grad = job.grad
+        if grad.dtype != torch.float32:
+            grad = self._scratch.take(grad.numel()).view(grad.shape).copy_(grad)
+        if job.scale != 1.0:
+            grad.mul_(job.scale)
+        master.grad = grad
+        job.optimizer.step()
+        master.grad = None
 
     def _destination(self, g: FlatParamGroup) -> torch.Tensor:
         return g.shard if self.policy.shard_params else g.full[g.lo:g.hi]

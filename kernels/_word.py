@@ -1,0 +1,221 @@
+"""Launchers of the word-wise kernels (``_word_kernels``) and their shape-keyed tuning.
+
+Two paths, both for weights whose packed rows can be read as int32 words
+(:func:`word_view`; other shapes use the generic skeleton of ``_gemm``):
+
+- ``gemv`` (a few rows): one program per (row of ``x``, ``BLOCK_N`` weight rows,
+  slice of ``K``), multiply-and-add on the CUDA cores, no tensor cores. With one
+  slice the result is stored in ``x.dtype`` directly; with several, fp32 atomics
+  go into a zeroed buffer that is cast at the end (two more small kernels, which
+  is why splitting is only picked where it pays).
+- ``wdot`` (INT8 / INT4, more rows): ``tl.dot`` per field plane.
+
+[Note: kernel tuning]
+``triton.autotune`` would have to allocate the output before it knows whether
+the chosen config splits ``K`` (atomics into fp32) or not (a plain store in the
+output dtype), so the launchers tune themselves: the first call for a key
+(format, group, zero points, rows bucket, N, K, dtype) times every candidate
+in a CUDA graph (``_runtime.graph_time_ms``, [Note: timing small kernels]) and
+keeps the fastest; :func:`tuned` lists what
+was chosen (the benchmark prints it). Candidates are pruned by shape first (a
+tile's bytes per iteration, enough programs to fill the GPU), so a key costs a
+few dozen short timings. Under the interpreter the first candidate runs untimed.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ._runtime import cdiv, graph_time_ms, interpreting, m_bucket
+
+FMT_W8, FMT_W4, FMT_S24, FMT_S24W4 = 0, 1, 2, 3
+CPW = {FMT_W8: 4, FMT_W4: 8, FMT_S24: 4, FMT_S24W4: 16}  # original columns per int32 word
+GEMV_TILES = ((8, 128, 4, 1), (16, 128, 4, 1), (32, 64, 4, 1), (32, 128, 8, 1), (8, 64, 4, 2), (16, 128, 8, 2),
+              (4, 128, 2, 2), (32, 64, 8, 2))  # (BLOCK_N, BLOCK_W, warps, register prefetch depth)
+# (x2d, xnat) variants tuned by default. The X2D / XNAT loads ([Note: x layouts] in _word_kernels) are
+# correct (tests) but unmeasured: the one GPU run that tuned them timed out, and they triple tuning time.
+X_VARIANTS = ((False, False),)
+WDOT_TILES = ((16, 64, 4, 4), (16, 128, 4, 4), (32, 64, 4, 4), (32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 8, 3),
+              (128, 128, 8, 3), (128, 64, 4, 3), (128, 256, 8, 3), (256, 128, 8, 3))  # (BM, BN, warps, stages)
+
+
+@dataclass(frozen=True, slots=True)
+class WordConfig:
+    block_m: int  # 1 for gemv
+    block_n: int
+    block_w: int
+    split_k: int
+    warps: int
+    stages: int = 1
+    prefetch: int = 1  # gemv: tiles loaded ahead ([Note: register prefetch] in _word_kernels)
+    x2d: bool = False  # gemv: x planes loaded in the weight tile's shape ([Note: x layouts] in _word_kernels)
+    xnat: bool = False  # gemv: x read in natural order, no plane-major copy (same note)
+
+
+@functools.cache
+def _kernels():
+    from . import _word_kernels
+
+    return _word_kernels
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def word_view(fmt: int, w: torch.Tensor, meta: torch.Tensor | None, k: int):
+    """``(words, meta)`` as the word kernels read them, or ``None`` where this shape cannot be."""
+    cpw = CPW[fmt]
+    if k % cpw or w.stride(-1) != 1 or (w.shape[1] * w.element_size()) % 4:
+        return None
+    if fmt == FMT_S24 and w.dtype != torch.bfloat16:
+        return None
+    if fmt == FMT_S24W4:
+        if meta is None or meta.stride(-1) != 1 or meta.shape[1] % 2:
+            return None
+        meta = meta.view(torch.int16)
+    if not w.is_contiguous():
+        return None
+    return w.view(torch.int32), meta
+
+
+def plane_major(x: torch.Tensor, cpw: int) -> torch.Tensor:
+    """``(M, K)`` → ``(M, cpw, K / cpw)`` with ``xp[m, j, w] = x[m, cpw * w + j]`` (see ``_word_kernels``)."""
+    m, k = x.shape
+    return x.view(m, k // cpw, cpw).transpose(1, 2).contiguous()
+
+
+def _acc_width(fmt: int, block_w: int, group: int) -> int:
+    if fmt in (FMT_W4, FMT_S24W4) and block_w * CPW[fmt] > group:
+        return block_w * CPW[fmt] // group
+    return block_w
+
+
+def _group_ok(fmt: int, block_w: int, group: int, kw: int) -> bool:
+    """A tile lies in one group, or spans whole groups (and the words divide evenly: no partial tile)."""
+    if fmt not in (FMT_W4, FMT_S24W4):
+        return True
+    cols = block_w * CPW[fmt]
+    return group % cols == 0 if cols <= group else (cols % group == 0 and kw % block_w == 0)
+
+
+def gemv_candidates(fmt: int, m: int, n: int, kw: int, group: int, device: torch.device) -> list[WordConfig]:
+    if interpreting() or device.type != "cuda":
+        bw = 4 if _group_ok(fmt, 4, group, kw) else 2
+        return [WordConfig(1, 16, bw, 2 if kw > bw else 1, 1)]
+    sms = _sm_count(device.index or 0)
+    out = []
+    for bn, bw, warps, prefetch in GEMV_TILES:
+        if not _group_ok(fmt, bw, group, kw) or bw > kw:
+            continue
+        tiles = cdiv(kw, bw)
+        progs = m * cdiv(n, bn)
+        splits = {1} if progs >= sms else set()
+        s = 1
+        while progs * s < 2 * sms and s < tiles:
+            s *= 2
+        splits |= {s, min(2 * s, tiles)}
+        out += [WordConfig(1, bn, bw, sp, warps, prefetch=prefetch, x2d=x2d, xnat=xnat) for sp in sorted(splits)
+                for x2d, xnat in X_VARIANTS if tiles // sp >= 1]
+    return out or [WordConfig(1, 16, 4 if _group_ok(fmt, 4, group, kw) else 2, 1, 4)]
+
+
+def wdot_candidates(fmt: int, m: int, n: int, kw: int, group: int, device: torch.device) -> list[WordConfig]:
+    bw = 16 if fmt == FMT_W4 else 32  # INT4: 16 words = 128 columns (one g128 group); INT8: 32 words = 128 columns
+    if interpreting() or device.type != "cuda":
+        return [WordConfig(16, 32, bw, 1, 1)]
+    sms = _sm_count(device.index or 0)
+    out = []
+    mb = m_bucket(m)
+    for bm, bn, warps, stages in WDOT_TILES:
+        if bm > max(16, mb) or (bm < mb // 4 and bm < 64):
+            continue
+        tiles = cdiv(kw, bw)
+        progs = cdiv(m, bm) * cdiv(n, bn)
+        splits = {1}
+        s = 1
+        while progs * s < sms and s < tiles // 4:
+            s *= 2
+        splits.add(s)
+        out += [WordConfig(bm, bn, bw, sp, warps, stages) for sp in sorted(splits)]
+    return out or [WordConfig(16, 64, bw, 1, 4, 3)]
+
+
+_BEST: dict[tuple, WordConfig] = {}
+
+
+def tuned() -> dict[tuple, WordConfig]:
+    """Every key tuned so far and the config it chose (see [Note: kernel tuning])."""
+    return dict(_BEST)
+
+
+def _pick(key: tuple, candidates: list[WordConfig], launch) -> WordConfig:
+    best = _BEST.get(key)
+    if best is not None:
+        return best
+    if len(candidates) == 1 or interpreting():
+        best = candidates[0]
+    else:
+        timed = []
+        for c in candidates:
+            try:
+                timed.append((graph_time_ms(lambda c=c: launch(c), reps=10, trials=3), c))
+            except Exception as e:  # noqa: BLE001  (a config the compiler rejects, e.g. out of shared memory)
+                if "out of resource" not in str(e).lower() and "OutOfResources" not in type(e).__name__:
+                    raise
+        best = min(timed, key=lambda t: t[0])[1]
+    _BEST[key] = best
+    return best
+
+
+def _out(m: int, n: int, x: torch.Tensor, split: int) -> torch.Tensor:
+    if split == 1:
+        return torch.empty(m, n, device=x.device, dtype=x.dtype)
+    return torch.zeros(m, n, device=x.device, dtype=torch.float32)
+
+
+def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> torch.Tensor:
+    m, kw = x.shape[0], words.shape[1]
+    zz = z if z is not None else s
+    mm = meta if meta is not None else words
+
+    def launch(c: WordConfig) -> torch.Tensor:
+        xp = x if c.xnat else plane_major(x, CPW[fmt])
+        out = _out(m, n, x, c.split_k)
+        _kernels().gemv_kernel[(m, cdiv(n, c.block_n), c.split_k)](
+            xp, words, s, zz, mm, out, m, n, k, kw, c.split_k,
+            xp.stride(0), words.stride(0), s.stride(0) if s.dim() > 1 else 1, mm.stride(0), out.stride(0),
+            FMT=fmt, GROUP=group, HAS_ZEROS=z is not None, ATOMIC=c.split_k > 1, CPW=CPW[fmt],
+            BLOCK_N=c.block_n, BLOCK_W=c.block_w, EVEN_W=kw % c.block_w == 0,
+            ACC_W=_acc_width(fmt, c.block_w, group), PREFETCH=c.prefetch, X2D=c.x2d, XNAT=c.xnat,
+            num_warps=c.warps,
+            num_stages=c.stages)
+        return out if c.split_k == 1 else out.to(x.dtype)
+
+    key = ("gemv", fmt, group, z is not None, m_bucket(m), n, k, x.dtype)
+    return launch(_pick(key, gemv_candidates(fmt, m, n, kw, group, x.device), launch))
+
+
+def run_wdot(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> torch.Tensor:
+    if fmt not in (FMT_W8, FMT_W4):
+        raise ValueError(f"the wdot path has no kernel for format {fmt}; use gemv, tiled or dense")
+    m, kw = x.shape[0], words.shape[1]
+    xp = plane_major(x, CPW[fmt])
+    zz = z if z is not None else s
+
+    def launch(c: WordConfig) -> torch.Tensor:
+        out = _out(m, n, x, c.split_k)
+        _kernels().wdot_kernel[(cdiv(m, c.block_m), cdiv(n, c.block_n), c.split_k)](
+            xp, words, s, zz, out, m, n, k, kw, c.split_k,
+            xp.stride(0), words.stride(0), s.stride(0) if s.dim() > 1 else 1, out.stride(0),
+            FMT=fmt, GROUP=group, HAS_ZEROS=z is not None, ATOMIC=c.split_k > 1,
+            DOT_F32=interpreting() or x.dtype == torch.float32, CPW=CPW[fmt], BLOCK_M=c.block_m,
+            BLOCK_N=c.block_n, BLOCK_W=c.block_w, EVEN_W=kw % c.block_w == 0, num_warps=c.warps,
+            num_stages=c.stages)
+        return out if c.split_k == 1 else out.to(x.dtype)
+
+    key = ("wdot", fmt, group, z is not None, m_bucket(m), n, k, x.dtype)
+    return launch(_pick(key, wdot_candidates(fmt, m, n, kw, group, x.device), launch))
