@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 SYSTEMS = ["plain", "ddp", "fsdp2", "deepspeed-z2", "deepspeed-z3", "zspeed-z2", "zspeed-z3", "zspeed-z1",
            "deepspeed-z1", "zspeed-z2-offload", "deepspeed-z2-offload", "zspeed-z3-offload", "deepspeed-z3-offload",
@@ -127,6 +128,8 @@ def run_one(args) -> None:
     batches = [torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=g).to(device)
                for _ in range(args.warmup + args.steps)]
     torch.cuda.reset_peak_memory_stats(device)
+    if args.memory_report:  # records every allocation with its stack: slows the steps, timings not comparable
+        torch.cuda.memory._record_memory_history(max_entries=500_000)
     losses = []
     for i, ids in enumerate(batches):
         if i == args.warmup:
@@ -145,11 +148,61 @@ def run_one(args) -> None:
     row = dict(system=args.system, gpus=world, tokens_per_s_per_gpu=tokens, step_s=dt, peak_gib=peak.item(),
                mfu=tokens * flops_per_token / (PEAK_TFLOPS * 1e12), params=n_params,
                first_loss=float(losses[0]), last_loss=float(losses[-1]))
+    if args.memory_report:
+        row["memory_report"] = memory_report(torch, device, Path(args.memory_report) / f"{args.system}-rank{rank}")
+        row["timing_note"] = "memory history recorded: tokens/s not comparable"
     if rank == 0:
         print("RESULT " + json.dumps(row), flush=True)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def memory_report(torch, device, stem: Path, top: int = 12) -> dict:
+    """Replay the recorded allocation trace to the moment of peak allocated bytes and list the largest
+    blocks alive then, each with the innermost frame of zspeed / deepspeed / torch / transformers code that
+    allocated it; also dump the raw snapshot (``stem``.pickle, for https://pytorch.org/memory_viz)."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._dump_snapshot(str(stem) + ".pickle")
+    torch.cuda.memory._record_memory_history(enabled=None)
+    # Allocated bytes change at "alloc" and "free_completed" (a free deferred by record_stream completes
+    # later). Blocks allocated before recording started appear only through their frees, or not at all.
+    alive_end = sum(b["size"] for seg in snap["segments"] for b in seg["blocks"] if b["state"] == "active_allocated")
+    trace = snap["device_traces"][device.index]
+    live: dict[int, dict] = {}
+    pre_freed = 0
+    for ev in trace:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev
+        elif ev["action"] == "free_completed":
+            if live.pop(ev["addr"], None) is None:
+                pre_freed += ev["size"]
+    before = alive_end - sum(ev["size"] for ev in live.values()) + pre_freed  # allocated when recording began
+    cur, best, live, best_live = before, before, {}, {}
+    for ev in trace:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev
+            cur += ev["size"]
+            if cur > best:
+                best, best_live = cur, dict(live)
+        elif ev["action"] == "free_completed":
+            live.pop(ev["addr"], None)
+            cur -= ev["size"]
+
+    def where(ev) -> str:
+        for fr in ev.get("frames", []):
+            name = fr.get("filename", "")
+            if any(k in name for k in ("zspeed", "/train/", "/core/", "deepspeed", "transformers", "bench_train")):
+                return f"{Path(name).name}:{fr.get('line')} {fr.get('name')}"
+        return "?"
+
+    blocks = sorted(best_live.values(), key=lambda e: -e["size"])[:top]
+    report = {"peak_bytes_traced": best, "max_memory_allocated": torch.cuda.max_memory_allocated(device),
+              "allocated_before_trace": before,
+              "largest_alive_at_peak": [(ev["size"], where(ev)) for ev in blocks]}
+    (stem.parent / (stem.name + ".json")).write_text(json.dumps(report, indent=1))
+    return report
 
 
 def driver(args) -> None:
@@ -187,6 +240,8 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeout", type=int, default=300)
+    ap.add_argument("--memory-report", metavar="DIR", help="record every CUDA allocation and report (DIR/<system>-"
+                    "rank<r>.json) the largest blocks alive at the peak; slows the steps")
     ap.add_argument("--system", choices=SYSTEMS)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=22)

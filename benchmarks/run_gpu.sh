@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU benchmark of the issues, one section at a time, logs and JSON under $OUT (default ./out).
 # Usage (on a 2-GPU machine, peers' wheels in .peers/ built by ../shared/peers/build-peer-wheels.sh):
-#   bash benchmarks/run_gpu.sh [comm] [stream] [train] [offload] [offload3] [kernels] [serve] [capacity]
+#   bash benchmarks/run_gpu.sh [comm] [stream] [train] [offload] [offload3] [kernels] [decode] [serve] [capacity]
 #   (default: all but capacity and offload3, the 2-GPU ZeRO-3 offload set)
 # Each section has its own time limit so one stuck peer cannot take the others' time.
 set -uo pipefail
@@ -13,7 +13,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 ||
 if ls .peers/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps .peers/*.whl >/dev/null 2>&1 || echo "peer wheels failed to install"
 fi
-sections=${*:-comm stream train offload kernels serve}
+sections=${*:-comm stream train offload kernels decode serve}
 run() {  # name, seconds, command...
   local name=$1 limit=$2; shift 2
   echo "== $name ($(date +%T), limit ${limit}s)"
@@ -80,6 +80,7 @@ for s in $sections; do
                 --json "$OUT/offload.json" ;;
     capacity) run capacity 900 python3 benchmarks/bench_offload.py --mode capacity --json "$OUT/capacity.json" ;;
     kernels) run kernels 400 python3 benchmarks/bench_kernels.py ;;
+    decode) run decode 240 python3 benchmarks/bench_decode.py --json "$OUT/decode.json" ;;
     serve) serve_section ;;
     *) echo "unknown section $s" ;;
   esac
