@@ -17,7 +17,9 @@ output dtype), so the launchers tune themselves: the first call for a key
 (format, group, zero points, rows bucket, N, K, dtype) times every candidate
 in a CUDA graph (``_runtime.graph_time_ms``, [Note: timing small kernels]) and
 keeps the fastest; :func:`tuned` lists what
-was chosen (the benchmark prints it). Candidates are pruned by shape first (a
+was chosen (the benchmark prints it). Choices are kept on disk per GPU model and
+Triton version (``tuning_cache``), so a machine tunes a shape once, not once per
+process. Candidates are pruned by shape first (a
 tile's bytes per iteration, enough programs to fill the GPU), so a key costs a
 few dozen short timings. Under the interpreter the first candidate runs untimed.
 """
@@ -77,7 +79,7 @@ def word_view(fmt: int, w: torch.Tensor, meta: torch.Tensor | None, k: int):
         if meta is None or meta.stride(-1) != 1 or meta.shape[1] % 2:
             return None
         meta = meta.view(torch.int16)
-    if not w.is_contiguous():
+    if not w.is_contiguous() or (w.storage_offset() * w.element_size()) % 4:
         return None
     return w.view(torch.int32), meta
 
@@ -158,6 +160,10 @@ def _pick(key: tuple, candidates: list[WordConfig], launch) -> WordConfig:
         return best
     if len(candidates) == 1 or interpreting():
         best = candidates[0]
+    elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return candidates[0]  # cannot time inside a capture: run the first candidate, tune at the next eager call
+    elif (best := _tuning_cache().get(key)) is not None and best in candidates:
+        pass
     else:
         timed = []
         for c in candidates:
@@ -167,8 +173,16 @@ def _pick(key: tuple, candidates: list[WordConfig], launch) -> WordConfig:
                 if "out of resource" not in str(e).lower() and "OutOfResources" not in type(e).__name__:
                     raise
         best = min(timed, key=lambda t: t[0])[1]
+        _tuning_cache().put(key, best)
     _BEST[key] = best
     return best
+
+
+@functools.cache
+def _tuning_cache():
+    from .tuning_cache import TuningCache
+
+    return TuningCache.default()
 
 
 def _out(m: int, n: int, x: torch.Tensor, split: int) -> torch.Tensor:
