@@ -34,9 +34,11 @@ def _crumbs(b):
     return tl.interleave(even, odd)  # fields 0, 1, 2, 3
 
 @triton.jit
-def _group_dequant(codes, s_ptr, z_ptr, offs_n, c0, N, stride_sn, GROUP_C: tl.constexpr,
+def _group_dequant(codes, s_ptr, z_ptr, offs_n, c0, N, C, stride_sn, GROUP_C: tl.constexpr,
                    HAS_ZEROS: tl.constexpr, BLOCK_C: tl.constexpr):
-    """``(codes - zero) * scale`` for a tile of columns ``c0 .. c0+BLOCK_C`` with groups of ``GROUP_C``."""
+    """``(codes - zero) * scale`` for a tile of columns ``c0 .. c0+BLOCK_C`` (of ``C``) with groups of
+    ``GROUP_C``. Columns past ``C`` read no scale (a scale read past the row could be anything, NaN
+    included, and NaN times a zero code is still NaN)."""
     nmask = offs_n < N
     if BLOCK_C <= GROUP_C:  # the whole tile lies in one group: one scale per row
         g = c0 // GROUP_C
@@ -46,11 +48,13 @@ def _group_dequant(codes, s_ptr, z_ptr, offs_n, c0, N, stride_sn, GROUP_C: tl.co
         else:
             z = 8
     else:  # several groups per tile: gather per column
-        g = (c0 + tl.arange(0, BLOCK_C)) // GROUP_C
+        cols = c0 + tl.arange(0, BLOCK_C)
+        g = cols // GROUP_C
         ptrs = offs_n[:, None] * stride_sn + g[None, :]
-        s = tl.load(s_ptr + ptrs, mask=nmask[:, None], other=0.0).to(tl.float32)
+        gmask = nmask[:, None] & (cols < C)[None, :]
+        s = tl.load(s_ptr + ptrs, mask=gmask, other=0.0).to(tl.float32)
         if HAS_ZEROS:
-            z = tl.load(z_ptr + ptrs, mask=nmask[:, None], other=0).to(tl.int32)
+            z = tl.load(z_ptr + ptrs, mask=gmask, other=0).to(tl.int32)
         else:
             z = 8
     return (codes - z).to(tl.float32) * s
@@ -88,7 +92,7 @@ def _load_w_tile(w_ptr, s_ptr, z_ptr, meta_ptr, offs_n, k0, N, K, stride_wn, str
         offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         mask = nmask & (offs_b[None, :] < K // 2)
         b = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_b[None, :], mask=mask, other=0)
-        tile = _group_dequant(_nibbles(b), s_ptr, z_ptr, offs_n, k0, N, stride_sn, GROUP, HAS_ZEROS, BLOCK_K)
+        tile = _group_dequant(_nibbles(b), s_ptr, z_ptr, offs_n, k0, N, K, stride_sn, GROUP, HAS_ZEROS, BLOCK_K)
     elif FMT == 2:  # 2:4, kept values (N, K/2)
         offs_c = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         mask = nmask & (offs_c[None, :] < K // 2)
@@ -99,7 +103,7 @@ def _load_w_tile(w_ptr, s_ptr, z_ptr, meta_ptr, offs_n, k0, N, K, stride_wn, str
         offs_b = k0 // 4 + tl.arange(0, BLOCK_K // 4)
         mask = nmask & (offs_b[None, :] < K // 4)
         b = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_b[None, :], mask=mask, other=0)
-        vals = _group_dequant(_nibbles(b), s_ptr, z_ptr, offs_n, k0 // 2, N, stride_sn, GROUP // 2,
+        vals = _group_dequant(_nibbles(b), s_ptr, z_ptr, offs_n, k0 // 2, N, K // 2, stride_sn, GROUP // 2,
                               HAS_ZEROS, BLOCK_K // 2)
         pos = _load_meta_24(meta_ptr, offs_n, k0, N, K, stride_mn, BLOCK_K)
         tile = _densify_24(vals, pos, BLOCK_N, BLOCK_K)

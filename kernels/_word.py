@@ -97,16 +97,21 @@ def _acc_width(fmt: int, block_w: int, group: int) -> int:
 
 
 def _group_ok(fmt: int, block_w: int, group: int, kw: int) -> bool:
-    """A tile lies in one group, or spans whole groups (and the words divide evenly: no partial tile)."""
+    """A tile lies in one group, or spans whole groups (the kernels sum per group inside the tile)."""
     if fmt not in (FMT_W4, FMT_S24W4):
         return True
     cols = block_w * CPW[fmt]
-    return group % cols == 0 if cols <= group else (cols % group == 0 and kw % block_w == 0)
+    return group % cols == 0 if cols <= group else cols % group == 0
+
+
+def _small_block_w(fmt: int, group: int, kw: int) -> int:
+    """The widest of 4, 2, 1 words whose tiles fit the groups (1 always does for groups of >= 16 columns)."""
+    return next((bw for bw in (4, 2) if _group_ok(fmt, bw, group, kw)), 1)
 
 
 def gemv_candidates(fmt: int, m: int, n: int, kw: int, group: int, device: torch.device) -> list[WordConfig]:
     if interpreting() or device.type != "cuda":
-        bw = 4 if _group_ok(fmt, 4, group, kw) else 2
+        bw = _small_block_w(fmt, group, kw)
         return [WordConfig(1, 16, bw, 2 if kw > bw else 1, 1)]
     sms = _sm_count(device.index or 0)
     out = []
@@ -122,7 +127,7 @@ def gemv_candidates(fmt: int, m: int, n: int, kw: int, group: int, device: torch
         splits |= {s, min(2 * s, tiles)}
         out += [WordConfig(1, bn, bw, sp, warps, prefetch=prefetch, x2d=x2d, xnat=xnat) for sp in sorted(splits)
                 for x2d, xnat in X_VARIANTS if tiles // sp >= 1]
-    return out or [WordConfig(1, 16, 4 if _group_ok(fmt, 4, group, kw) else 2, 1, 4)]
+    return out or [WordConfig(1, 16, _small_block_w(fmt, group, kw), 1, 4)]
 
 
 def wdot_candidates(fmt: int, m: int, n: int, kw: int, group: int, device: torch.device) -> list[WordConfig]:

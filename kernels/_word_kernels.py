@@ -136,7 +136,7 @@ def _gemv_tile(w, x_row, col0, offs_w, offs_n, nmask, s_ptr, z_ptr, meta_ptr, st
             else:
                 f = _as_float(src & (0xF << (4 * (j % 4)))) - (8388608.0 + 8.0 * (1 << (4 * (j % 4))))
             t += f * (xj * (1.0 / (1 << (4 * (j % 4)))))
-        return _by_group(t, xs, s_ptr, z_ptr, offs_n, nmask, col0, stride_sn, 8, GROUP, HAS_ZEROS,
+        return _by_group(t, xs, s_ptr, z_ptr, offs_n, nmask, col0, stride_sn, K, 8, GROUP, HAS_ZEROS,
                          BLOCK_N, BLOCK_W)
     elif FMT == 2:  # 2:4 bf16: kept values v0, v1 of block w at positions p0 < p1
         v0 = (w << 16).to(tl.float32, bitcast=True)
@@ -175,12 +175,12 @@ def _gemv_tile(w, x_row, col0, offs_w, offs_n, nmask, s_ptr, z_ptr, meta_ptr, st
                 f0 = _as_float((w >> (8 * b)) & 0xF) - 8388616.0  # 2^23 + 8
                 f1 = _as_float((w >> (8 * b + 4)) & 0xF) - 8388616.0
             t += f0 * xa + f1 * xb
-        return _by_group(t, xs, s_ptr, z_ptr, offs_n, nmask, col0, stride_sn, 16, GROUP, HAS_ZEROS, BLOCK_N,
+        return _by_group(t, xs, s_ptr, z_ptr, offs_n, nmask, col0, stride_sn, K, 16, GROUP, HAS_ZEROS, BLOCK_N,
                          BLOCK_W)
 
 
 @triton.jit
-def _by_group(t, xs, s_ptr, z_ptr, offs_n, nmask, col0, stride_sn, CPW: tl.constexpr, GROUP: tl.constexpr,
+def _by_group(t, xs, s_ptr, z_ptr, offs_n, nmask, col0, stride_sn, K, CPW: tl.constexpr, GROUP: tl.constexpr,
               HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
     """Scale (and zero-correct) a tile's products ``t`` ``(BN, BW)`` per group.
 
@@ -197,10 +197,12 @@ def _by_group(t, xs, s_ptr, z_ptr, offs_n, nmask, col0, stride_sn, CPW: tl.const
         return t * s
     else:
         tg = tl.sum(tl.reshape(t, (BLOCK_N, BLOCK_W * CPW // GROUP, GROUP // CPW)), axis=2)
-        ptrs = offs_n[:, None] * stride_sn + (col0 // GROUP + tl.arange(0, BLOCK_W * CPW // GROUP))[None, :]
-        s = tl.load(s_ptr + ptrs, mask=nmask[:, None], other=0.0).to(tl.float32)
+        g = col0 // GROUP + tl.arange(0, BLOCK_W * CPW // GROUP)
+        ptrs = offs_n[:, None] * stride_sn + g[None, :]
+        gmask = nmask[:, None] & (g * GROUP < K)[None, :]  # a partial last tile reads no scale past the row
+        s = tl.load(s_ptr + ptrs, mask=gmask, other=0.0).to(tl.float32)
         if HAS_ZEROS:
-            z = tl.load(z_ptr + ptrs, mask=nmask[:, None], other=0).to(tl.float32)
+            z = tl.load(z_ptr + ptrs, mask=gmask, other=0).to(tl.float32)
             xs2 = tl.broadcast_to(xs, (BLOCK_N, BLOCK_W))
             tg = tg - z * tl.sum(tl.reshape(xs2, (BLOCK_N, BLOCK_W * CPW // GROUP, GROUP // CPW)), axis=2)
         return tg * s

@@ -116,6 +116,29 @@ def test_bad_shapes_are_rejected():
         w8a16_matmul(x, q.qweight, q.scales, path="fastest")
 
 
+def _nan_after(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values at the start of a buffer whose tail is NaN: a kernel reading past ``t`` sees NaN."""
+    buf = torch.full((t.numel() + 4096,), float("nan"), dtype=t.dtype)
+    buf[: t.numel()] = t.flatten()
+    return buf[: t.numel()].view(t.shape)
+
+
+@needs_interp
+@pytest.mark.parametrize("path", SPARSE_PATHS)
+def test_partial_tiles_read_no_scale_past_the_weight(path):
+    """K not a multiple of any tile, several groups per tile: columns past K must not read scales
+    (a NaN there would poison the output even though the code and x are zero)."""
+    x, w = _inputs(2, 40, 80, torch.float32, seed=6)
+    q = quantize_int4(w, group_size=16, symmetric=True, scale_dtype=torch.float32)
+    scales = _nan_after(q.scales)
+    out = w4a16_matmul(x, q.qweight, scales, None, 16, path=path)
+    _close(out, w4a16_ref(x, q.qweight, q.scales, None, 16), torch.float32)
+    s = compress_nm(prune_nm(w, w.abs(), n=2, m=4))
+    v = quantize_int4(s.values, group_size=8, symmetric=True, scale_dtype=torch.float32)
+    out = sparse24_w4a16_matmul(x, v.qweight, s.meta, _nan_after(v.scales), None, 16, path=path)
+    _close(out, sparse24_w4a16_ref(x, v.qweight, s.meta, v.scales, None, 16), torch.float32)
+
+
 @needs_interp
 def test_word_paths_refuse_what_they_cannot_read():
     """gemv/wdot name the shape or format they cannot take; the policy routes those elsewhere."""
