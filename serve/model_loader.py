@@ -145,11 +145,29 @@ def load_model(config: LoadConfig) -> LoadedModel:
         with torch.device(device.device):
             rotary = type(base.rotary_emb)(config=hf_config)
         layers = _load_layers(config, skeleton, ckpt, device)
+        _warm_up(layers, device, dtype)
     loaded = LoadedModel(description=desc, device=device, embed=embed, rotary=rotary, norm=norm, lm_head=lm_head,
                          layers=layers, tokenizer=load_tokenizer(directory), hf_config=hf_config)
     log.info("loaded in %.1fs on %s; tokenizer: %s", time.perf_counter() - start, device,
              loaded.tokenizer.name)
     return loaded
+
+
+def _warm_up(layers: LayerSource, device: DeviceHandle, dtype: torch.dtype) -> None:
+    """Tune resident compressed layers' kernels now rather than in the first requests (zspeed.compress.warmup).
+
+    Streamed layers are left to tune in their first steps: their modules run through a shared shell with
+    each layer's tensors swapped in, and a step there is dominated by weight transfers anyway."""
+    if not device.is_cuda or not isinstance(layers, ResidentLayers):
+        return
+    from zspeed.compress.warmup import warm_up_kernels
+
+    start = time.perf_counter()
+    modules = (m for i in range(len(layers)) for m in layers.acquire(i).modules())
+    calls = warm_up_kernels(modules, dtype=dtype, device=device.device)
+    if calls:
+        device.synchronize()
+        log.info("kernels: %d compressed-layer shapes x row counts tuned in %.1fs", calls, time.perf_counter() - start)
 
 
 # -- locating ------------------------------------------------------------------------------------------------------
