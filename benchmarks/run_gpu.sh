@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU benchmark of the issues, one section at a time, logs and JSON under $OUT (default ./out).
 # Usage (on a 2-GPU machine, peers' wheels in .peers/ built by ../shared/peers/build-peer-wheels.sh):
-#   bash benchmarks/run_gpu.sh [comm] [stream] [train] [offload] [offload3] [kernels] [decode] [serve] [capacity]
-#   (default: all but capacity and offload3, the 2-GPU ZeRO-3 offload set)
+#   bash benchmarks/run_gpu.sh [comm] [stream] [train] [trainmem] [offload] [offload3] [kernels] [decode] [serve]
+#                              [capacity]
+#   (default: all but trainmem (allocation traces at the ZeRO-2 peak), capacity and offload3)
 # Each section has its own time limit so one stuck peer cannot take the others' time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -74,6 +75,8 @@ for s in $sections; do
     stream) run stream 240 python3 benchmarks/bench_stream.py --json "$OUT/stream.json" ;;
     train) run train 330 python3 benchmarks/bench_train.py --driver --nproc 2 --timeout 90 \
              --systems zspeed-z2,deepspeed-z2,zspeed-z3,fsdp2,deepspeed-z3,plain --json "$OUT/train.json" ;;
+    trainmem) run trainmem 200 python3 benchmarks/bench_train.py --driver --nproc 2 --timeout 90 --warmup 1 --steps 2 \
+                --systems zspeed-z2,deepspeed-z2 --memory-report "$OUT/memory" --json "$OUT/trainmem.json" ;;
     offload) run offload 420 python3 benchmarks/bench_offload.py --mode throughput --nproc 1 --timeout 150 \
                --json "$OUT/offload.json" ;;
     offload3) run offload3 540 python3 benchmarks/bench_offload.py --mode throughput --nproc 2 --timeout 200 \
