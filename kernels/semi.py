@@ -4,8 +4,8 @@
 Hopper's sparse tensor cores (through ``torch.sparse.to_sparse_semi_structured``:
 CUTLASS or cuSPARSELt) run it at up to twice the dense rate, which no Triton kernel
 over our compressed layout matches. The semi-structured form is built once per
-weight from our (values, meta) and cached, keyed by the tensors' storage and
-version (a weight changed in place is rebuilt); it holds the same kept values in
+weight from our (values, meta) and cached per ``values`` tensor (weakly: the entry
+goes when the tensor does) and its version (a weight changed in place is rebuilt); it holds the same kept values in
 torch's own layout, so a layer that runs both small-``M`` (our kernels) and
 large-``M`` (this path) batches keeps both copies: ~0.56x of the dense bytes on top of
 ours. :func:`clear_semi_cache` drops them. Needs a CUDA device of compute capability
@@ -13,12 +13,14 @@ ours. :func:`clear_semi_cache` drops them. Needs a CUDA device of compute capabi
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
 from ._ref import densify_24
 
-_CACHE: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_CACHE: dict[int, tuple[weakref.ref, tuple, torch.Tensor]] = {}  # id(values) -> (ref, versions, sparse form)
 
 
 def clear_semi_cache() -> None:
@@ -32,16 +34,22 @@ def semi_supported(x: torch.Tensor, values: torch.Tensor) -> bool:
 
 def semi_weight(values: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
     """The semi-structured sparse form of the 2:4 weight (cached; see the module note)."""
-    key = (values.untyped_storage().data_ptr(), values.storage_offset(), tuple(values.shape), values._version,
-           meta.untyped_storage().data_ptr(), meta._version)
-    hit = _CACHE.get(key)
-    if hit is not None:
-        return hit[1]
+    versions = (values._version, meta.untyped_storage().data_ptr(), meta._version)
+    hit = _CACHE.get(id(values))
+    if hit is not None and hit[0]() is values and hit[1] == versions:
+        return hit[2]
     from torch.sparse import to_sparse_semi_structured
 
     sparse = to_sparse_semi_structured(densify_24(values, meta).to(values.dtype))
-    _CACHE[key] = (values, sparse)  # holding ``values`` keeps its storage (and so the key) alive
+    key = id(values)
+    _CACHE[key] = (weakref.ref(values, lambda _ref, key=key: _drop(key, _ref)), versions, sparse)
     return sparse
+
+
+def _drop(key: int, ref: weakref.ref) -> None:
+    entry = _CACHE.get(key)
+    if entry is not None and entry[0] is ref:  # not an entry made since for a new tensor with the same id
+        del _CACHE[key]
 
 
 def run_semi(x: torch.Tensor, values: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:

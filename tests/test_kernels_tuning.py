@@ -66,3 +66,27 @@ def test_pick_times_once_keeps_the_fastest_and_reuses_the_cache(tmp_path, monkey
     calls.clear()
     assert _word._pick(KEY, [A, C], launch) == A and calls == [A, C]
     assert TuningCache(cache.path).get(KEY) == A
+
+
+def test_semi_structured_form_is_cached_per_tensor_and_version(monkeypatch):
+    """kernels/semi.py builds torch's 2:4 form once per weight, again after an in-place change, and lets go of
+    it when the weight is gone (the conversion itself needs CUDA, so it is stubbed here)."""
+    import gc
+
+    from zspeed.compress.nm import compress_nm, prune_nm
+    from zspeed.kernels import semi
+
+    built = []
+    monkeypatch.setattr(torch.sparse, "to_sparse_semi_structured", lambda dense: built.append(dense) or dense)
+    monkeypatch.setattr(semi, "_CACHE", {})
+    w = torch.randn(8, 32)
+    nm = compress_nm(prune_nm(w, w.abs()))
+    values = nm.values.to(torch.bfloat16)
+    first = semi.semi_weight(values, nm.meta)
+    assert semi.semi_weight(values, nm.meta) is first and len(built) == 1
+    torch.testing.assert_close(first, nm.dequantize(torch.bfloat16))
+    values.mul_(2)
+    assert len(built) == 1 and semi.semi_weight(values, nm.meta) is not first and len(built) == 2
+    del values
+    gc.collect()
+    assert semi._CACHE == {}
