@@ -167,20 +167,26 @@ def _pick(key: tuple, candidates: list[WordConfig], launch) -> WordConfig:
         best = candidates[0]
     elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return candidates[0]  # cannot time inside a capture: run the first candidate, tune at the next eager call
-    elif (best := _tuning_cache().get(key)) is not None and best in candidates:
-        pass
     else:
-        timed = []
-        for c in candidates:
-            try:
-                timed.append((graph_time_ms(lambda c=c: launch(c), reps=10, trials=3), c))
-            except Exception as e:  # noqa: BLE001  (a config the compiler rejects, e.g. out of shared memory)
-                if "out of resource" not in str(e).lower() and "OutOfResources" not in type(e).__name__:
-                    raise
-        best = min(timed, key=lambda t: t[0])[1]
-        _tuning_cache().put(key, best)
+        best = _tuning_cache().get(key)
+        if best not in candidates:  # not cached, or cached by a version with other candidates
+            best = _fastest(candidates, launch)
+            _tuning_cache().put(key, best)
     _BEST[key] = best
     return best
+
+
+def _fastest(candidates: list[WordConfig], launch) -> WordConfig:
+    timed = []
+    for c in candidates:
+        try:
+            timed.append((graph_time_ms(lambda c=c: launch(c), reps=10, trials=3), c))
+        except Exception as e:  # noqa: BLE001  (a config the compiler rejects, e.g. out of shared memory)
+            if "out of resource" not in str(e).lower() and "OutOfResources" not in type(e).__name__:
+                raise
+    if not timed:
+        raise RuntimeError(f"no kernel config of {len(candidates)} fits this GPU's resources; use path='dense'")
+    return min(timed, key=lambda t: t[0])[1]
 
 
 @functools.cache
