@@ -66,7 +66,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as zserve: idle OpenMP wo
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent))  # serve_peer.py: the DeepSpeed peer
+sys.path.insert(0, str(Path(__file__).parent))  # serve_peer.py: the DeepSpeed peer; bench_stream.py: raw H2D
+from bench_stream import raw_h2d as raw_h2d_gbps  # noqa: E402  (one raw-copy measurement for both benchmarks)
 from zspeed.core.device import DeviceHandle  # noqa: E402
 from zspeed.serve.engine_loop import EngineLoop  # noqa: E402
 from zspeed.serve.model_loader import LoadConfig, load_model  # noqa: E402
@@ -250,19 +251,6 @@ def model_bytes(model) -> int:
 
 
 # -- stream and offline ---------------------------------------------------------------------------------------------
-def raw_h2d_gbps(dev: DeviceHandle, nbytes: int = GIB) -> float:
-    src = dev.pinned_empty((nbytes,), dtype=torch.uint8)
-    dst = dev.empty((nbytes,), dtype=torch.uint8)
-    times = []
-    for _ in range(12):
-        start, end = dev.new_event(timing=True), dev.new_event(timing=True)
-        start.record()
-        dst.copy_(src, non_blocking=True)
-        end.record()
-        times.append(dev.elapsed_seconds(start, end))
-    return nbytes / statistics.median(times[2:]) / 1e9
-
-
 def cmd_offline(args, *, bench: str = "offline", offload: str | None = None) -> None:
     dev = bench_device(args)
     cap = apply_cap(args, dev)
