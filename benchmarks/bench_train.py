@@ -211,8 +211,12 @@ def driver(args) -> None:
         nproc = 1 if system == "plain" else args.nproc
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-port",
                str(29500 + len(rows)), __file__, "--system", system, *args.passthrough]
+        # Every system gets the same CPU threads per process: the node's CPUs shared by its processes.
+        # torchrun would otherwise set OMP_NUM_THREADS=1 at 2 processes, which DeepSpeedCPUAdam (OpenMP)
+        # and torch's CPU ops obey (zspeed's offload picks the same count itself: host_threads = 0).
+        env = dict(os.environ, OMP_NUM_THREADS=str(max(1, len(os.sched_getaffinity(0)) // nproc)))
         t0 = time.time()
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
         found = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode or not found:
             tail = (proc.stdout + proc.stderr)[-3000:]

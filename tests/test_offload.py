@@ -112,3 +112,23 @@ def test_parameter_offload_alone_is_refused():
     from zspeed.core.topology import Topology
     with pytest.raises(ConfigError, match="offload_param needs offload_optimizer too"):
         ZeroEngine(module=make_model("llama"), config=load_config(cfg, world_size=1), topo=Topology.single())
+
+
+def test_host_update_threads_are_configured_or_shared_by_the_node(monkeypatch):
+    from zspeed.core.topology import Topology
+    from zspeed.train.offload import host_update_threads
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(32)))
+    assert host_update_threads(0, local_world_size=1) == 32
+    assert host_update_threads(0, local_world_size=2) == 16
+    assert host_update_threads(0, local_world_size=64) == 1  # never zero
+    assert host_update_threads(5, local_world_size=2) == 5  # an explicit count wins
+    cfg = Case(kind="llama", stage=2).ds_config(1)
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "host_threads": 1}
+    engine = ZeroEngine(module=make_model("llama"), config=load_config(cfg, world_size=1), topo=Topology.single())
+    offload = engine.offload
+    assert offload.host_threads == 1
+    assert offload._worker.submit(torch.get_num_threads).result() == 1  # the worker's own pool
+    cfg["zero_optimization"]["offload_optimizer"]["host_threads"] = -2
+    with pytest.raises(ConfigError, match="host_threads must be an integer >= 0"):
+        load_config(cfg, world_size=1)

@@ -339,11 +339,17 @@ class OffloadOptimizerConfig:
         "After this many exact warm-up steps, each step's CPU update runs during the next step's forward "
         "and backward, so the parameters a step computes with are one update stale (clipping and the fp16 "
         "check still use the step's own gradients); null = off (every step exact)", None)
+    host_threads: int = key(
+        "zspeed extension, not a DeepSpeed key: CPU threads of the host optimizer update; 0 = auto: the "
+        "CPUs this process may run on divided by the processes of its node (torchrun's OMP_NUM_THREADS=1 "
+        "default would leave one thread per rank to a memory-bound update of the whole model)", 0)
 
     def __post_init__(self) -> None:
         _check_offload(self, self.SECTION)
         _check(self.delayed_update is None or self.delayed_update >= 0,
                f"{self.SECTION}.delayed_update must be >= 0 (warm-up steps) or null (off), got {self.delayed_update}")
+        _check(isinstance(self.host_threads, int) and self.host_threads >= 0,
+               f"{self.SECTION}.host_threads must be an integer >= 0 (0 = auto), got {self.host_threads!r}")
 
     @property
     def enabled(self) -> bool:

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -144,6 +145,24 @@ class _Job:
     upload: bool  # the worker copies the result to the device (see [Note: overlapping the CPU update])
 
 
+def host_update_threads(requested: int, *, local_world_size: int) -> int:
+    """CPU threads for the host update: ``requested``, or with 0 the CPUs this process may run on
+    (its affinity mask) shared evenly by the ``local_world_size`` processes of the node, at least one.
+
+    The update streams 28 bytes of optimizer state per element, so it wants every core it can get;
+    torchrun sets ``OMP_NUM_THREADS=1`` for each of several processes unless told otherwise, which
+    would leave it one. The count is applied in the worker thread that runs the update, whose
+    OpenMP pool is its own.
+    """
+    if requested > 0:
+        return requested
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // max(1, local_world_size))
+
+
 class OptimizerOffload:
     """Masters and optimizer state off the device; see [Note: the offloaded step]."""
 
@@ -159,7 +178,10 @@ class OptimizerOffload:
         self.order: list[_Host] = []
         self.boundary = False
         self.shard_sink = None  # a ParamOffload at stage 3 with parameter offload
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="zspeed-cpu-optim")
+        self.host_threads = host_update_threads(config.host_threads, local_world_size=topo.local_world_size)
+        # The worker's own OpenMP pool gets the threads (see host_update_threads).
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="zspeed-cpu-optim", initializer=torch.set_num_threads,
+                                          initargs=(self.host_threads,))
         self.early_start = False  # set by OffloadStepper: see [Note: overlapping the CPU update]
         self.early_updates = 0  # updates submitted before step() (a count, for tests and logs)
         self._queue: deque[_Host] = deque()  # submitted, not yet started (the worker prefetches the head)
