@@ -73,6 +73,8 @@ def build(system: str, args, model, device):
         import zspeed
         cfg = ds_config(args, stage, offload, delayed_update=DPU_WARMUP if system.endswith("-dpu") else None,
                         clip=0.0 if system.endswith("-noclip") else 1.0)
+        if offload and args.host_threads:
+            cfg["zero_optimization"]["offload_optimizer"]["host_threads"] = args.host_threads
         engine, *_ = zspeed.initialize(model=model, config=cfg)
 
         return engine_step(engine)
@@ -121,15 +123,15 @@ def run_one(args) -> None:
     cfg = llama_config(args)
     model = LlamaForCausalLM(cfg)
     n_params = sum(p.numel() for p in model.parameters())
+    if args.memory_report:  # from before the engine exists: its persistent buffers are in the trace too
+        torch.cuda.memory._record_memory_history(max_entries=500_000)
     step = build(args.system, args, model, device)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     g = torch.Generator(device="cpu").manual_seed(1234 + rank)
     batches = [torch.randint(0, args.vocab, (args.micro_batch, args.seq), generator=g).to(device)
                for _ in range(args.warmup + args.steps)]
-    torch.cuda.reset_peak_memory_stats(device)
-    if args.memory_report:  # records every allocation with its stack: slows the steps, timings not comparable
-        torch.cuda.memory._record_memory_history(max_entries=500_000)
+    torch.cuda.reset_peak_memory_stats(device)  # (memory history, if asked, slows the steps: timings not comparable)
     losses = []
     for i, ids in enumerate(batches):
         if i == args.warmup:
@@ -164,7 +166,8 @@ def memory_report(torch, device, stem: Path, top: int = 12) -> dict:
     allocated it; also dump the raw snapshot (``stem``.pickle, for https://pytorch.org/memory_viz)."""
     stem.parent.mkdir(parents=True, exist_ok=True)
     snap = torch.cuda.memory._snapshot()
-    torch.cuda.memory._dump_snapshot(str(stem) + ".pickle")
+    if stem.name.endswith("rank0"):
+        torch.cuda.memory._dump_snapshot(str(stem) + ".pickle")
     torch.cuda.memory._record_memory_history(enabled=None)
     # Allocated bytes change at "alloc" and "free_completed" (a free deferred by record_stream completes
     # later). Blocks allocated before recording started appear only through their frees, or not at all.
@@ -190,17 +193,22 @@ def memory_report(torch, device, stem: Path, top: int = 12) -> dict:
             live.pop(ev["addr"], None)
             cur -= ev["size"]
 
-    def where(ev) -> str:
-        for fr in ev.get("frames", []):
-            name = fr.get("filename", "")
-            if any(k in name for k in ("zspeed", "/train/", "/core/", "deepspeed", "transformers", "bench_train")):
-                return f"{Path(name).name}:{fr.get('line')} {fr.get('name')}"
-        return "?"
+    def where(ev) -> str:  # the two innermost frames of zspeed / peer / model code
+        found = [f"{Path(fr.get('filename', '')).name}:{fr.get('line')} {fr.get('name')}"
+                 for fr in ev.get("frames", []) if any(k in fr.get("filename", "") for k in (
+                     "zspeed", "/train/", "/core/", "deepspeed", "transformers", "bench_train"))]
+        return " < ".join(found[:2]) or "?"
 
     blocks = sorted(best_live.values(), key=lambda e: -e["size"])[:top]
+    sites: dict[str, list[int]] = {}  # every block alive at the peak, summed by allocation site
+    for ev in best_live.values():
+        site = sites.setdefault(where(ev), [0, 0])
+        site[0] += 1
+        site[1] += ev["size"]
     report = {"peak_bytes_traced": best, "max_memory_allocated": torch.cuda.max_memory_allocated(device),
               "allocated_before_trace": before,
-              "largest_alive_at_peak": [(ev["size"], where(ev)) for ev in blocks]}
+              "largest_alive_at_peak": [(ev["size"], where(ev)) for ev in blocks],
+              "alive_at_peak_by_site": sorted(([k, *v] for k, v in sites.items()), key=lambda r: -r[2])}
     (stem.parent / (stem.name + ".json")).write_text(json.dumps(report, indent=1))
     return report
 
@@ -247,6 +255,8 @@ def main() -> None:
     ap.add_argument("--memory-report", metavar="DIR", help="record every CUDA allocation and report (DIR/<system>-"
                     "rank<r>.json) the largest blocks alive at the peak; slows the steps")
     ap.add_argument("--system", choices=SYSTEMS)
+    ap.add_argument("--host-threads", type=int, default=0,
+                    help="zspeed offload systems: offload_optimizer.host_threads (0 = zspeed's auto)")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=22)
     ap.add_argument("--heads", type=int, default=32)

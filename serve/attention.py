@@ -9,16 +9,34 @@ sequence. Hugging Face lets a model pick its attention function by name
 ``"zspeed_slots"`` and hand it a :class:`LayerAttention` through the keyword
 arguments that the decoder layer passes down untouched. It writes the step's
 new keys and values into their sequences' cache slots (one indexed copy for
-all of them), then for each sequence attends over its slot's first
-``start + length`` entries, so the layer's own code (projections, rotary
+all of them), then attends, so the layer's own code (projections, rotary
 embedding, output projection) is Hugging Face's.
 
-The per-sequence call mirrors what Hugging Face's ``sdpa`` path does for one
-unpadded sequence (``is_causal`` for a whole prompt, no mask for one token,
+Prompt chunks attend one sequence at a time, over their slot's first
+``start + length`` entries. The call mirrors what Hugging Face's ``sdpa``
+path does for one unpadded sequence (``is_causal`` for a whole prompt,
 ``enable_gqa`` for grouped heads), so a batch gives each sequence the same
 numbers it would get alone. A prompt chunk that continues a cached prefix
 needs the causal mask aligned to the bottom right, which SDPA's ``is_causal``
 is not, so it gets an explicit mask.
+
+One-token segments (decode tokens, and one-token prompt chunks, which need no
+mask either) attend all together, in one call per layer (a call per sequence
+and layer is host-bound on a GPU): a :class:`DecodeBatch`, made once per step,
+gathers each one's keys and values into a padded batch ``(B, kv_heads, Lmax,
+head_dim)``, ``Lmax`` the longest of their ``start + 1``. The key mask
+``(B, 1, 1, Lmax)`` keeps each sequence to its own ``start + 1`` entries: a
+masked score is ``-inf`` and its softmax weight exactly zero, so a sequence's
+numbers are those of its own unmasked call, up to rounding. The padding
+repeats the sequence's last entry rather than reading past it, so it is
+always finite data (the cache is allocated uninitialised, and a NaN there
+would survive the mask: ``0 * NaN`` is NaN). Grouped query heads are folded
+into the query length (``(B, heads, 1, D)`` as ``(B, kv_heads, heads /
+kv_heads, D)``, as Hugging Face's ``pack_gqa`` does) instead of
+``enable_gqa``: SDPA's memory-efficient CUDA kernel takes a mask but not
+grouped heads, and would fall back to the math kernel. The outputs go back to
+the segments' rows, so the result is laid out as if each segment had been
+attended alone, in order.
 """
 from __future__ import annotations
 
@@ -53,15 +71,70 @@ class Segment:
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeBatch:
+    """The step's one-token segments, attended in one call per layer (see [Note: packed batch]).
+
+    Device tensors, made once per step by :meth:`build` from segments in the
+    packed row's order: ``rows`` ``(B,)`` their rows, ``slots`` ``(B,)`` their
+    cache slots, ``key_positions`` ``(B, Lmax)`` the cache positions gathered
+    for each (``0 .. start``, then ``start`` again as padding) and ``mask``
+    ``(B, 1, 1, Lmax)``, True at the positions ``< start + 1``; None when every
+    segment has ``Lmax`` entries (one segment, or all of one length).
+    """
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    key_positions: torch.Tensor
+    mask: torch.Tensor | None
+    max_kv_length: int
+
+    @staticmethod
+    def host_values(segments: tuple[Segment, ...]) -> list[int]:
+        """What :meth:`build` needs on the device, to go with the step's other inputs in one copy:
+        the segments' rows, then their slots, then their kv lengths."""
+        return [s.offset for s in segments] + [s.slot for s in segments] + [s.kv_length for s in segments]
+
+    @classmethod
+    def build(cls, segments: tuple[Segment, ...], values: torch.Tensor) -> DecodeBatch:
+        """From one-token ``segments`` and ``values``, :meth:`host_values` on the device (no sync)."""
+        if any(s.length != 1 for s in segments):
+            raise ValueError("a DecodeBatch holds one-token segments only")
+        rows, slots, kv_lengths = values.view(3, len(segments))
+        max_kv_length = max(s.kv_length for s in segments)
+        key_pos = torch.arange(max_kv_length, device=values.device)
+        last = kv_lengths[:, None] - 1  # (B, 1)
+        mask = None
+        if any(s.kv_length != max_kv_length for s in segments):
+            mask = (key_pos <= last)[:, None, None, :]  # (B, 1, 1, Lmax)
+        return cls(rows, slots, torch.minimum(key_pos, last), mask, max_kv_length)
+
+    def gather(self, cache: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The padded keys and values of the batch, ``(B, kv_heads, Lmax, head_dim)`` each."""
+        index = (self.slots[:, None], self.key_positions)
+        keys = cache.keys[layer].transpose(1, 2)[index]  # (B, Lmax, kvH, D)
+        values = cache.values[layer].transpose(1, 2)[index]
+        return keys.transpose(1, 2), values.transpose(1, 2)
+
+
+@dataclass(frozen=True, slots=True)
 class LayerAttention:
-    """What :func:`slot_attention` needs for one layer of one step: the segments, and per packed token
-    its cache slot and position (``(N,)`` device tensors, made once per step by the runner)."""
+    """What :func:`slot_attention` needs for one layer of one step, all but ``layer`` made once per step by
+    the runner: the segments attended one at a time (prompt chunks; a one-token segment here is attended
+    alone, correctly but slower), the one-token segments attended together (``decode``), and per packed
+    token its cache slot and position (``(N,)`` device tensors)."""
 
     cache: KVCache
     layer: int
     segments: tuple[Segment, ...]
     token_slots: torch.Tensor
     token_positions: torch.Tensor
+    decode: DecodeBatch | None = None
+
+    @property
+    def max_kv_length(self) -> int:
+        """The longest span that any of the step's sequences attends over."""
+        longest = max((seg.kv_length for seg in self.segments), default=0)
+        return max(longest, self.decode.max_kv_length if self.decode is not None else 0)
 
 
 def chunk_mask(segment: Segment, device: torch.device) -> torch.Tensor | None:
@@ -71,6 +144,30 @@ def chunk_mask(segment: Segment, device: torch.device) -> torch.Tensor | None:
     query_pos = torch.arange(segment.start, segment.kv_length, device=device)[:, None]
     key_pos = torch.arange(segment.kv_length, device=device)[None, :]
     return key_pos <= query_pos  # (length, start+length)
+
+
+def attend_segment(query: torch.Tensor, zspeed: LayerAttention, seg: Segment,
+                   scaling: float | None) -> torch.Tensor:
+    """One segment over its slot: ``(1, length, heads, head_dim)`` for its rows of ``query`` ``(1, H, N, D)``."""
+    k, v = zspeed.cache.read(zspeed.layer, seg.slot, seg.kv_length)  # (kvH, L, D) each
+    mask = chunk_mask(seg, query.device)
+    o = F.scaled_dot_product_attention(
+        query[:, :, seg.rows], k[None], v[None], attn_mask=mask, scale=scaling,
+        is_causal=seg.length > 1 and mask is None, enable_gqa=query.shape[1] != k.shape[0],
+    )  # (1, H, length, D)
+    return o.transpose(1, 2)
+
+
+def attend_decodes(query: torch.Tensor, zspeed: LayerAttention, scaling: float | None) -> torch.Tensor:
+    """All one-token segments in one call: ``(B, heads, head_dim)``, in the order of ``decode.rows``."""
+    decode = zspeed.decode
+    keys, values = decode.gather(zspeed.cache, zspeed.layer)  # (B, kvH, Lmax, D) each
+    batch, kv_heads, _, dim = keys.shape
+    heads = query.shape[1]
+    # (B, H, D) -> (B, kvH, H/kvH, D): query head h reads key head h // (H/kvH), as enable_gqa maps them
+    q = query[0].index_select(1, decode.rows).transpose(0, 1).reshape(batch, kv_heads, heads // kv_heads, dim)
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=decode.mask, scale=scaling)
+    return o.reshape(batch, heads, dim)
 
 
 def slot_attention(
@@ -93,21 +190,20 @@ def slot_attention(
     """
     if zspeed is None:
         raise RuntimeError(f"attention {ATTN_IMPLEMENTATION!r} runs only inside zspeed's model runner")
-    if sliding_window is not None and any(seg.kv_length > sliding_window for seg in zspeed.segments):
+    if sliding_window is not None and zspeed.max_kv_length > sliding_window:
         raise NotImplementedError(f"sequences longer than the sliding window ({sliding_window}) are not supported")
-    gqa = query.shape[1] != key.shape[1]
-    # every sequence's new keys and values at once; each segment below reads only its own slot
+    # every sequence's new keys and values at once; attention below reads each sequence's own slot only
     zspeed.cache.write_tokens(zspeed.layer, zspeed.token_slots, zspeed.token_positions, key[0], value[0])
-    outs = []
+    decode = zspeed.decode
+    if not zspeed.segments and decode is not None:  # only one-token segments: they tile the row in order
+        return attend_decodes(query, zspeed, scaling)[None], None
+    _, heads, n, dim = query.shape
+    out = query.new_empty(1, n, heads, dim)  # every row is written: the segments tile the packed row
     for seg in zspeed.segments:
-        k, v = zspeed.cache.read(zspeed.layer, seg.slot, seg.kv_length)  # (kvH, L, D) each
-        mask = chunk_mask(seg, query.device)
-        o = F.scaled_dot_product_attention(
-            query[:, :, seg.rows], k[None], v[None], attn_mask=mask, scale=scaling,
-            is_causal=seg.length > 1 and mask is None, enable_gqa=gqa,
-        )  # (1, H, length, D)
-        outs.append(o.transpose(1, 2))
-    return torch.cat(outs, dim=1), None  # (1, N, H, D): the segments tile the packed row in order
+        out[:, seg.rows] = attend_segment(query, zspeed, seg, scaling)
+    if decode is not None:
+        out[0].index_copy_(0, decode.rows, attend_decodes(query, zspeed, scaling))
+    return out, None
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, slot_attention)

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from .attention import LayerAttention, Segment
+from .attention import DecodeBatch, LayerAttention, Segment
 from .kv_cache import KVCache, KVCacheConfig
 from .model_loader import LoadedModel
 from .request import SamplingParams
@@ -133,7 +133,10 @@ class ModelRunner:
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
         """Hidden states ``(S, hidden)`` of the rows that are sampled."""
-        ids, positions, slots, rows = self._inputs(plan)
+        chunks = tuple(seg for seg in plan.segments if seg.length > 1)  # attended one at a time
+        decodes = tuple(seg for seg in plan.segments if seg.length == 1)  # attended together
+        ids, positions, slots, rows, decode_values = self._inputs(plan, decodes)
+        decode = DecodeBatch.build(decodes, decode_values) if decodes else None
         hidden = self.model.embed(ids)  # (1, N, hidden)
         rotary = self.model.rotary(hidden, positions)  # cos, sin: (1, N, head_dim) each
         token_positions = positions[0]  # (N,)
@@ -142,25 +145,28 @@ class ModelRunner:
             layer = layers.acquire(i)
             try:
                 out = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=rotary,
-                            zspeed=LayerAttention(self.cache, i, plan.segments, slots, token_positions))
+                            zspeed=LayerAttention(self.cache, i, chunks, slots, token_positions, decode))
                 hidden = out[0] if isinstance(out, tuple) else out  # transformers < 5 returns a tuple
             finally:
                 layers.release(i)
         return hidden[0].index_select(0, rows)  # (S, hidden)
 
-    def _inputs(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Token ids ``(1, N)``, positions ``(1, N)``, cache slots ``(N,)`` and sampled rows ``(S,)``
-        on the device.
+    def _inputs(self, plan: StepPlan, decodes: tuple[Segment, ...]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token ids ``(1, N)``, positions ``(1, N)``, cache slots ``(N,)``, sampled rows ``(S,)`` and
+        :meth:`DecodeBatch.host_values` of the one-token ``decodes`` ``(3B,)`` on the device.
 
         One non-blocking copy from pinned memory: ``torch.tensor(..., device=cuda)``
         would synchronise the stream, once per tensor, and the sampled rows'
         sync would hold the output head back until every layer had run.
         """
-        n = len(plan.token_ids)
-        values = torch.tensor([*plan.token_ids, *plan.positions, *plan.slots, *plan.sample_rows], dtype=torch.long)
+        n, s = len(plan.token_ids), len(plan.sample_rows)
+        values = torch.tensor([*plan.token_ids, *plan.positions, *plan.slots, *plan.sample_rows,
+                               *DecodeBatch.host_values(decodes)], dtype=torch.long)
         host = self.device.pinned_empty(values.shape, dtype=torch.long).copy_(values)
         inputs = host.to(self.device.device, non_blocking=True)
-        return inputs[:n][None], inputs[n:2 * n][None], inputs[2 * n:3 * n], inputs[3 * n:]
+        return (inputs[:n][None], inputs[n:2 * n][None], inputs[2 * n:3 * n], inputs[3 * n:3 * n + s],
+                inputs[3 * n + s:])
 
     def _report(self) -> None:
         if self._observer is None:

@@ -1,6 +1,7 @@
 """zspeed.initialize as a DeepSpeed user calls it: config dict, data, scheduler, client optimizer, logging."""
 import logging
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
@@ -125,3 +126,37 @@ def test_initialize_like_deepspeed():
         assert client["client_kept"] and client["groups"] == 2 and client["wd"] == [0.1, 0.0]
         assert client["lr"] == [0.1 * 0.5 ** 3] * 2
         assert client["diff"] < 1e-5, f"client optimizer run differs from the reference by {client['diff']}"
+
+
+@pytest.mark.parametrize("cls,fused", [(torch.optim.AdamW, False), (torch.optim.AdamW, True), (torch.optim.Adam, False)])
+def test_flat_adam_state_is_bit_exact_and_one_buffer_per_moment(cls, fused):
+    from zspeed.train.optim_factory import flat_adam_state
+
+    def run(flat: bool):
+        torch.manual_seed(0)
+        params = [torch.randn(7, 5, requires_grad=True), torch.randn(13, requires_grad=True)]
+        opt = cls([{"params": params[:1]}, {"params": params[1:], "weight_decay": 0.0}], lr=0.1,
+                  weight_decay=0.01, fused=fused or None)
+        if flat:
+            assert flat_adam_state(opt, on_cpu=True)
+        for step in range(3):
+            for p in params:
+                p.grad = torch.randn_like(p) * (step + 1)
+            opt.step()
+        return params, opt
+
+    ref, _ = run(False)
+    got, opt = run(True)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    storages = {opt.state[p][k].untyped_storage().data_ptr() for p in got for k in ("exp_avg",)}
+    assert len(storages) == 1  # one flat buffer for every parameter's first moment
+    assert flat_adam_state(opt, on_cpu=True) is False  # existing state is never replaced
+
+
+def test_flat_adam_state_leaves_other_optimizers_and_cpu_alone():
+    from zspeed.train.optim_factory import flat_adam_state
+    p = torch.zeros(3, requires_grad=True)
+    assert flat_adam_state(torch.optim.SGD([p], lr=0.1)) is False
+    assert flat_adam_state(torch.optim.AdamW([p], lr=0.1, amsgrad=True), on_cpu=True) is False
+    assert flat_adam_state(torch.optim.AdamW([p], lr=0.1)) is False  # CPU parameters need on_cpu

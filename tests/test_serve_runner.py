@@ -6,8 +6,10 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.serve_cases import NEW_TOKENS, PROMPTS, Reference, build_tiny_model, load_tiny
+from zspeed.serve.attention import DecodeBatch, LayerAttention, Segment, chunk_mask, slot_attention
 from zspeed.serve.checkpoint import CheckpointError
 from zspeed.serve.engine_loop import EngineLoop
 from zspeed.serve.kv_cache import KVCache, KVCacheConfig, KVCacheFullError
@@ -261,3 +263,86 @@ def test_nf4_zcompress_folder_matches_the_quantized_model(tiny_dir, tmp_path):
         results = generate_all(engine, PROMPTS[:3])
     assert [r.token_ids for r in results] == [quantized.greedy(p) for p in PROMPTS[:3]]
     served.close()
+
+
+def slot_attention_reference(query, key, value, cache, layer, segments, token_slots, token_positions):
+    """The per-sequence attention that the batched decode path replaced: one SDPA call per segment."""
+    cache.write_tokens(layer, token_slots, token_positions, key[0], value[0])
+    outs = []
+    for seg in segments:
+        k, v = cache.read(layer, seg.slot, seg.kv_length)
+        mask = chunk_mask(seg, query.device)
+        o = F.scaled_dot_product_attention(query[:, :, seg.rows], k[None], v[None], attn_mask=mask,
+                                           is_causal=seg.length > 1 and mask is None,
+                                           enable_gqa=query.shape[1] != key.shape[1])
+        outs.append(o.transpose(1, 2))
+    return torch.cat(outs, dim=1)
+
+
+def packed_step(spans: list[tuple[int, int, int]]) -> tuple[tuple[Segment, ...], torch.Tensor, torch.Tensor]:
+    """Segments of ``(slot, start, length)`` packed in order, with each token's slot and position."""
+    segments, slots, positions, offset = [], [], [], 0
+    for slot, start, length in spans:
+        segments.append(Segment(slot=slot, start=start, length=length, offset=offset))
+        slots += [slot] * length
+        positions += range(start, start + length)
+        offset += length
+    return tuple(segments), torch.tensor(slots), torch.tensor(positions)
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("spans", [
+    # a chunk after a cached prefix, a one-token prompt between prompts, then decodes of different lengths
+    [(0, 5, 3), (6, 0, 1), (1, 0, 4), (3, 6, 1), (4, 1, 1), (5, 11, 1), (2, 0, 1)],
+    [(3, 6, 1), (4, 1, 1), (5, 11, 1)],  # decodes only
+    [(5, 9, 1)],  # one decode: no padding, no mask
+    [(0, 0, 7), (1, 3, 2)],  # prompts only
+], ids=["mixed", "decodes", "one-decode", "prompts"])
+def test_batched_decode_attention_matches_per_sequence(spans, heads):
+    """One-token segments attend in one masked call; each gets its per-sequence numbers, in its own rows.
+    The cache's unwritten entries are NaN: a padded position that leaked into the softmax would show."""
+    num_heads, num_kv_heads = heads
+    config = KVCacheConfig(num_layers=2, num_kv_heads=num_kv_heads, head_dim=8, slots=7, max_len=16)
+    cpu = DeviceHandle.for_device("cpu")
+    batched, reference = KVCache(config, device=cpu), KVCache(config, device=cpu)
+    gen = torch.Generator().manual_seed(0)
+    for cache in (batched, reference):
+        cache.keys.fill_(float("nan"))
+        cache.values.fill_(float("nan"))
+    for slot, start, _ in spans:  # the cached prefixes
+        k, v = torch.randn(2, num_kv_heads, start, 8, generator=gen)
+        for cache in (batched, reference):
+            cache.write(1, slot, 0, k, v)
+    segments, token_slots, token_positions = packed_step(spans)
+    n = len(token_slots)
+    query = torch.randn(1, num_heads, n, 8, generator=gen)
+    key, value = torch.randn(2, 1, num_kv_heads, n, 8, generator=gen)
+
+    decodes = tuple(seg for seg in segments if seg.length == 1)
+    decode = DecodeBatch.build(decodes, torch.tensor(DecodeBatch.host_values(decodes))) if decodes else None
+    assert decode is None or (decode.mask is None) == (len({seg.kv_length for seg in decodes}) == 1)
+    chunks = tuple(seg for seg in segments if seg.length > 1)
+    out, _ = slot_attention(None, query, key, value, None, scaling=8 ** -0.5, sliding_window=16,
+                            zspeed=LayerAttention(batched, 1, chunks, token_slots, token_positions, decode))
+    expected = slot_attention_reference(query, key, value, reference, 1, segments, token_slots, token_positions)
+    assert out.shape == (1, n, num_heads, 8) and out.isfinite().all()
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(batched.keys.nan_to_num(), reference.keys.nan_to_num()), "the same KV writes"
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        slot_attention(None, query, key, value, None, sliding_window=max(seg.kv_length for seg in segments) - 1,
+                       zspeed=LayerAttention(batched, 1, chunks, token_slots, token_positions, decode))
+
+
+def test_decode_step_calls_attention_once_per_layer(tiny_dir, monkeypatch):
+    """A step of decodes only runs one SDPA call per layer, whatever the number of sequences."""
+    runner = ModelRunner(load_tiny(tiny_dir), max_batch_size=3, max_model_len=64)
+    sampling = SamplingParams()
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[4]]
+    out = runner.step(SchedulerOutput(step=1, prefills=tuple(PrefillChunk(i, tuple(p), 0, True, sampling)
+                                                             for i, p in enumerate(prompts))))
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or sdpa(*a, **kw))
+    decodes = tuple(DecodeItem(i, out.new_token_ids[i][0], len(p), sampling) for i, p in enumerate(prompts))
+    assert set(runner.step(SchedulerOutput(step=2, decodes=decodes)).new_token_ids) == {0, 1, 2}
+    assert len(calls) == runner.model.description.num_layers

@@ -341,8 +341,9 @@ class OffloadOptimizerConfig:
         "check still use the step's own gradients); null = off (every step exact)", None)
     host_threads: int = key(
         "zspeed extension, not a DeepSpeed key: CPU threads of the host optimizer update; 0 = auto: the "
-        "CPUs this process may run on divided by the processes of its node (torchrun's OMP_NUM_THREADS=1 "
-        "default would leave one thread per rank to a memory-bound update of the whole model)", 0)
+        "CPUs this process may run on divided by the processes of its node, less two for the threads that "
+        "drive the GPU (torchrun's OMP_NUM_THREADS=1 default would leave one thread per rank to a "
+        "memory-bound update of the whole model)", 0)
 
     def __post_init__(self) -> None:
         _check_offload(self, self.SECTION)

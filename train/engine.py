@@ -29,7 +29,7 @@ from .loss_scaler import make_loss_scaler
 from .lr_schedules import build_lr_scheduler
 from .meta_init import CurrentValues, UnitInitializer
 from .mixed_precision import MixedPrecision
-from .optim_factory import build_optimizer
+from .optim_factory import build_optimizer, flat_adam_state
 from .offload import OffloadStepper, adopt_unit, build_offload, units_in_flight
 from .optimizer_step import MasterOptimizer, StepOutcome
 from .param_group_state import FlatParamGroup
@@ -91,6 +91,8 @@ class ZeroEngine:
         self.units = self._build_units(groups_spec, init or CurrentValues())
         self.groups: list[FlatParamGroup] = [g for u in self.units for g in u.groups]
         self.optimizer = self._build_optimizer(optimizer, groups_spec)
+        if self.offload is None:
+            flat_adam_state(self.optimizer)  # two flat moment buffers, as DeepSpeed keeps them
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.scaler = make_loss_scaler(config.fp16)
         self.stepper = self._build_stepper()

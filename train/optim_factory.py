@@ -18,7 +18,7 @@ import torch
 
 from .config_schema import AdamParams, AdamW8bitParams, OptimizerConfig, OptimizerType, SGDParams
 
-__all__ = ["build_optimizer", "fused_supported"]
+__all__ = ["build_optimizer", "flat_adam_state", "fused_supported"]
 
 _FUSED_DEVICE_TYPES = frozenset({"cuda", "cpu"})
 _FUSED_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
@@ -88,3 +88,45 @@ def _adamw_8bit(groups: list[dict[str, Any]], p: AdamW8bitParams) -> torch.optim
             "pip install 'zspeed[quant]'  (or: pip install 'bitsandbytes>=0.45')") from e
     return bnb.optim.AdamW8bit(groups, lr=p.lr, betas=p.betas, eps=p.eps, weight_decay=p.weight_decay,
                                amsgrad=p.amsgrad)
+
+
+def flat_adam_state(optimizer: torch.optim.Optimizer, *, on_cpu: bool = False) -> bool:
+    """Give torch's Adam / AdamW their moments up front, as views of one flat buffer per moment
+    (per device and dtype) instead of one tensor per parameter made at the first ``step()``.
+
+    The values are what torch would make (zeros, and its own ``step`` tensor), so the updates are
+    the same bit for bit. What changes is the allocator's view: two allocations made at build time,
+    in fresh memory, instead of two per parameter made after the first backward, when the cache is
+    full of freed activation blocks that the moments would land in with unsplit slack (the ZeRO-2
+    benchmark's peak was 2 MB higher than DeepSpeed's, whose moments are one flat buffer each,
+    for that reason alone). Returns False and changes nothing for other optimizers, ``amsgrad``, CPU
+    parameters unless ``on_cpu`` (the host update of offload keeps its own layout, and a checkpoint
+    writes CPU tensors without copying them, which safetensors refuses for views of one buffer) or
+    state that already exists.
+    """
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) or optimizer.state:
+        return False
+    groups = optimizer.param_groups
+    params = [p for g in groups for p in g["params"]]
+    if not params or any(g.get("amsgrad") for g in groups) or (not on_cpu and any(p.device.type == "cpu" for p in params)):
+        return False
+    from torch.optim.optimizer import _get_scalar_dtype  # the dtype torch gives ``step``
+
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:
+        by_kind.setdefault((p.device, p.dtype), []).append(p)
+    for (device, dtype), ps in by_kind.items():
+        total = sum(p.numel() for p in ps)
+        moments = [torch.zeros(total, dtype=dtype, device=device) for _ in range(2)]
+        offset = 0
+        for p in ps:
+            views = [m[offset:offset + p.numel()].view_as(p) for m in moments]
+            offset += p.numel()
+            optimizer.state[p] = {"exp_avg": views[0], "exp_avg_sq": views[1]}
+    for g in groups:
+        on_device = g["capturable"] or g["fused"]
+        for p in g["params"]:
+            optimizer.state[p]["step"] = (torch.zeros((), dtype=_get_scalar_dtype(is_fused=g["fused"]),
+                                                      device=p.device) if on_device
+                                          else torch.tensor(0.0, dtype=_get_scalar_dtype()))
+    return True
