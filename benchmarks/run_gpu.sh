@@ -25,8 +25,9 @@ run() {  # name, seconds, command...
 # per-step limits sum to 480 s. Sizes: llama-8b (32 layers, 16.1 GB bf16) written once and shared by (a)-(c);
 # under the 10 GiB cap both zspeed and DeepSpeed must stream it. (d) writes up to 8 llama-70b layers (1.7 GB
 # each, checkpoint + layer store 3.4 GB a layer) after the 8b files are deleted; the 64 GiB disk sets the count.
-serve_step() {  # name, seconds, command...
+serve_step() {  # name, seconds, command...   (SERVE_STEPS="synth c-load ...": only those steps)
   local name=$1 limit=$2 t0=$SECONDS; shift 2
+  if [[ -n ${SERVE_STEPS:-} && " $SERVE_STEPS " != *" $name "* ]]; then return 0; fi
   echo "== serve/$name ($(date +%T), limit ${limit}s)" | tee -a "$OUT/serve.log"
   timeout -k 5 "$limit" "$@" 2>&1 | tee -a "$OUT/serve.log" \
     | grep -v -i -E "warn|^\[zserve\]|it/s\]|shard/s\]|layer/s\]" | tail -n 12
@@ -45,7 +46,7 @@ serve_section() {  # SERVE_DRY=1: the same steps on the CPU with the tiny preset
   local big=(--preset $small --weights-dir "$W" --device $dev --json "$J")
   local capped=(--batch 1 16 64 "${lens[@]}" --max-num-batched-tokens 8192 --gpu-mem-cap-gib 10)
   rm -f "$J"
-  serve_step env 15 python3 $B env --weights-dir "$W" --json "$J"
+  serve_step env 30 python3 $B env --weights-dir "$W" --json "$J"
   # The committed gRPC stubs need grpcio >= 1.85.1 and protobuf >= 7.35.1; where the image has older ones,
   # (c) and (d) use wheels from .peers/serve/ installed aside (the image's own packages stay untouched).
   local pyenv=()
@@ -54,11 +55,14 @@ serve_section() {  # SERVE_DRY=1: the same steps on the CPU with the tiny preset
       && pyenv=(env "PYTHONPATH=/tmp/zspeed-serve-site${PYTHONPATH:+:$PYTHONPATH}") \
       && echo "   gRPC stubs: using grpcio/protobuf from .peers/serve" | tee -a "$OUT/serve.log"
   fi
-  serve_step synth 40 python3 -m zspeed.serve.cli synth --arch $small --out "$W/$small-${small_layers}l-bf16"
+  serve_step synth 100 python3 -m zspeed.serve.cli synth --arch $small --out "$W/$small-${small_layers}l-bf16"
   serve_step a-stream 75 python3 $B stream "${big[@]}" "${capped[@]}" --window 3
   serve_step b-zero-inference 130 python3 $B zero-inference "${big[@]}" "${capped[@]}" --engine $engine
-  serve_step c-load 95 ${pyenv[@]+"${pyenv[@]}"} python3 $B load "${big[@]}" --offload none --batch 1 32 \
-    "${load_lens[@]}" --requests 64 --rate-fractions 0.5 0.8 --max-seconds 12
+  local budget  # LOAD_BUDGETS="2048 160": the load test once per step token budget
+  for budget in ${LOAD_BUDGETS:-2048}; do
+    serve_step c-load 150 ${pyenv[@]+"${pyenv[@]}"} python3 $B load "${big[@]}" --offload none --batch 1 32 \
+      "${load_lens[@]}" --requests 64 --rate-fractions 0.5 0.8 --max-seconds 12 --max-num-batched-tokens $budget
+  done
   rm -rf "$W/$small-${small_layers}l-bf16"
   local free_gb n70
   free_gb=$(df -P -BG "$W" | awk 'NR==2 {print $4 + 0}')

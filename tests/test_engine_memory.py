@@ -40,3 +40,37 @@ def test_memory_matches_zero_formula():
                 assert gathered == 0, f"{precision} stage 3: {gathered} B of gathered parameters left after step"
             else:
                 assert gathered >= num_params * (4 if precision == "fp32" else 2)
+
+
+def _packed_storage(topo):
+    import torch
+    from zspeed.train.config import load_config
+    from zspeed.train.engine import ZeroEngine
+    from tests.engine_cases import Case, make_model
+    out = {}
+    for stage in (0, 1, 2):
+        case = Case(kind="llama", stage=stage, precision="bf16")
+        engine = ZeroEngine(module=make_model("llama"), config=load_config(case.ds_config(topo.world_size),
+                            world_size=topo.world_size), topo=topo)
+        storages = {}
+        for g in engine.groups:
+            for name in ("full", "master", "full_grad"):
+                t = getattr(g, name)
+                if t is not None and t.untyped_storage().nbytes():
+                    storages.setdefault((name, t.dtype), set()).add(t.untyped_storage().data_ptr())
+        params_in_full = all(p.untyped_storage().data_ptr() == g.full.untyped_storage().data_ptr()
+                             for g in engine.groups for p in g.params) 
+        out[stage] = {"groups": len(engine.groups), "params_in_full": params_in_full,
+                      "storages": {f"{k[0]}:{k[1]}": len(v) for k, v in storages.items()}}
+    return out
+
+
+def test_persistent_buffers_are_one_flat_buffer_per_dtype():
+    """Stages 0-2 keep every group's full, master and full_grad in one buffer per dtype."""
+    from tests.dist_utils import run_distributed
+    r = run_distributed(_packed_storage, 2)[0]
+    for stage in (0, 1, 2):
+        assert r[stage]["groups"] > 1
+        assert r[stage]["params_in_full"] is True
+        # full (bf16) and full_grad (bf16) share the bf16 buffer; masters (fp32) have their own
+        assert set(r[stage]["storages"].values()) == {1}, r[stage]

@@ -30,6 +30,7 @@ from .lr_schedules import build_lr_scheduler
 from .meta_init import CurrentValues, UnitInitializer
 from .mixed_precision import MixedPrecision
 from .optim_factory import build_optimizer, flat_adam_state
+from .storage_pack import pack_persistent_storage
 from .offload import OffloadStepper, adopt_unit, build_offload, units_in_flight
 from .optimizer_step import MasterOptimizer, StepOutcome
 from .param_group_state import FlatParamGroup
@@ -90,6 +91,7 @@ class ZeroEngine:
         groups_spec = _param_groups(module, optimizer, model_parameters)
         self.units = self._build_units(groups_spec, init or CurrentValues())
         self.groups: list[FlatParamGroup] = [g for u in self.units for g in u.groups]
+        pack_persistent_storage(self.groups, topo.device.device)  # see [Note: packed persistent storage]
         self.optimizer = self._build_optimizer(optimizer, groups_spec)
         if self.offload is None:
             flat_adam_state(self.optimizer)  # two flat moment buffers, as DeepSpeed keeps them

@@ -144,8 +144,7 @@ class FlatParamGroup:
             raise ValueError(f"shard of {shard_hi.numel()} elements for a chunk of {self.hi - self.lo}")
         shard_hi = shard_hi.to(self._device, self._hi_dtype)
         self.full = torch.empty(self.group.full_numel, dtype=self.dtype, device=self._device)
-        for p, view in zip(self.params, self.group.views(self.full)):
-            _point_at(p, view)  # views first: a view cannot be made of a resharded (empty) storage
+        point_params_at(self)  # views first: a view cannot be made of a resharded (empty) storage
         if self.policy.shard_params:
             self._init_sharded_params(shard_hi)
         else:
@@ -340,6 +339,12 @@ class FlatParamGroup:
     def __repr__(self) -> str:
         return (f"FlatParamGroup({len(self.params)} params, {self.dtype}, numel={self.numel}, "
                 f"opt_group={self.opt_index}, state={self.state.value}, persistent={self.persistent})")
+
+
+def point_params_at(g: FlatParamGroup) -> None:
+    """Make the group's parameters views of its ``full`` buffer (again, after the buffer moved)."""
+    for p, view in zip(g.params, g.group.views(g.full)):
+        _point_at(p, view)
 
 
 def _point_at(param: nn.Parameter, view: torch.Tensor) -> None:
