@@ -123,10 +123,16 @@ def flat_adam_state(optimizer: torch.optim.Optimizer, *, on_cpu: bool = False) -
             views = [m[offset:offset + p.numel()].view_as(p) for m in moments]
             offset += p.numel()
             optimizer.state[p] = {"exp_avg": views[0], "exp_avg_sq": views[1]}
+    # ``step`` too: on the device (fused or capturable) torch makes one 0-dim tensor per parameter, each
+    # its own 512-byte block; here they are elements of one buffer per group (each still counted apart).
+    # Off the device they stay separate CPU scalars, as torch makes them.
     for g in groups:
-        on_device = g["capturable"] or g["fused"]
-        for p in g["params"]:
-            optimizer.state[p]["step"] = (torch.zeros((), dtype=_get_scalar_dtype(is_fused=g["fused"]),
-                                                      device=p.device) if on_device
-                                          else torch.tensor(0.0, dtype=_get_scalar_dtype()))
+        if g["capturable"] or g["fused"]:
+            steps = torch.zeros(len(g["params"]), dtype=_get_scalar_dtype(is_fused=g["fused"]),
+                                device=g["params"][0].device)
+            for i, p in enumerate(g["params"]):
+                optimizer.state[p]["step"] = steps[i]
+        else:
+            for p in g["params"]:
+                optimizer.state[p]["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
     return True
