@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--offload", choices=("none", "cpu"), default="none")
     ap.add_argument("--window", type=int, default=3)
     args = ap.parse_args()
-    folder = Path(args.weights_dir) / f"{args.preset}-{args.num_layers}l"
+    folder = Path(args.weights_dir) / f"{args.preset}-{args.num_layers}l-bf16"  # as bench_serve.py names it
     if not (folder / "model.safetensors.index.json").exists():
         write_random_checkpoint(args.preset, folder, num_layers=args.num_layers)
     model = load_model(LoadConfig(model=str(folder), offload=args.offload, window=args.window, progress=False))
