@@ -8,10 +8,23 @@
 The server drains on SIGTERM (or Ctrl-C): it stops taking requests, finishes
 those it has, and exits 0. The bearer token can also come from the
 ``ZSERVE_AUTH_TOKEN`` environment variable (kept out of ``ps``).
+
+[Note: GC freeze] Before the port opens, ``zserve`` collects once and then
+freezes every live object (``gc.freeze``): torch, transformers and gRPC leave a
+few hundred thousand long-lived objects behind, and each full collection of
+Python's cyclic collector walked all of them with the GIL held, stopping the
+engine thread and every RPC thread at once for 100-200 ms (measured on the
+``tiny`` preset on a CPU: a 170 ms pause in the load test's burst of requests
+halved its saturation rate; in a steady run such a pause lengthens one
+inter-token gap of every running request by as much). Frozen objects are still
+freed by reference counting; only cycles among them are never collected, and
+they live as long as the server anyway. Full collections then walk only what
+serving creates.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import signal
@@ -148,7 +161,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
     try:
-        server = create_server(model, server_config).start()
+        server = create_server(model, server_config)
+        _freeze_startup_objects()
+        server.start()
     except BaseException:
         model.close()
         raise
@@ -157,6 +172,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     while not stop.wait(0.1):
         pass
     return 0 if server.drain() else 1
+
+
+def _freeze_startup_objects() -> None:
+    """Keeps what start-up left alive out of the cyclic collector's full passes (see [Note: GC freeze])."""
+    gc.collect()
+    gc.freeze()
+    logging.getLogger("zspeed.serve").info("gc: %d start-up objects frozen", gc.get_freeze_count())
 
 
 def cmd_query(args: argparse.Namespace) -> int:

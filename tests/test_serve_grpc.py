@@ -331,6 +331,8 @@ def test_sigterm_drains_then_exits_zero(tiny_dir, reference, tmp_path):
     assert pieces[-1].finish_reason == "length" and len(tokens) == 3000
     assert tokens[:50] == reference.greedy(PROMPTS[1], 50, ignore_eos=True)
     assert any("drained" in line for line in lines), "".join(lines)
+    frozen = next(i for i, line in enumerate(lines) if "start-up objects frozen" in line)
+    assert frozen < next(i for i, line in enumerate(lines) if "listening on" in line), "gc.freeze before serving"
 
 
 def test_build_request_marks_the_prompt():
