@@ -346,3 +346,17 @@ def test_decode_step_calls_attention_once_per_layer(tiny_dir, monkeypatch):
     decodes = tuple(DecodeItem(i, out.new_token_ids[i][0], len(p), sampling) for i, p in enumerate(prompts))
     assert set(runner.step(SchedulerOutput(step=2, decodes=decodes)).new_token_ids) == {0, 1, 2}
     assert len(calls) == runner.model.description.num_layers
+
+
+def test_attention_never_runs_on_cudnn(tiny_dir, monkeypatch):
+    """cuDNN's SDPA plans per shape (5.9 ms of host time a call on an H100, every step a new key length):
+    the runner turns it off for its attention calls only, and leaves the process's setting as it was."""
+    runner = ModelRunner(load_tiny(tiny_dir), max_batch_size=1, max_model_len=64)
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **kw: seen.append(torch.backends.cuda.cudnn_sdp_enabled()) or sdpa(*a, **kw))
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    runner.step(SchedulerOutput(step=1, prefills=(PrefillChunk(0, tuple(PROMPTS[0]), 0, True, SamplingParams()),)))
+    assert seen and not any(seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
