@@ -71,7 +71,7 @@ serve_section() {  # SERVE_DRY=1: the same steps on the CPU with the tiny preset
   serve_step d-nvme 115 ${pyenv[@]+"${pyenv[@]}"} python3 $B nvme --preset $large --num-layers $n70 \
     --weights-dir "$W" --device $dev --json "$J" --window 3 "${nvme_lens[@]}" --new-tokens 4 --max-seconds 90
   rm -rf "$W"
-  serve_step summary 10 python3 $B summary --json "$J"
+  serve_step summary 60 python3 $B summary --json "$J"
 }
 for s in $sections; do
   case $s in
