@@ -97,9 +97,11 @@ def flat_adam_state(optimizer: torch.optim.Optimizer, *, on_cpu: bool = False) -
     The values are what torch would make (zeros, and its own ``step`` tensor), so the updates are
     the same bit for bit. What changes is the allocator's view: two allocations made at build time,
     in fresh memory, instead of two per parameter made after the first backward, when the cache is
-    full of freed activation blocks that the moments would land in with unsplit slack (the ZeRO-2
-    benchmark's peak was 2 MB higher than DeepSpeed's, whose moments are one flat buffer each,
-    for that reason alone). Returns False and changes nothing for other optimizers, ``amsgrad``, CPU
+    full of freed activation blocks that the moments would land in with unsplit slack (half of the
+    2 MB by which the ZeRO-2 benchmark's peak exceeded DeepSpeed's, whose moments are one flat
+    buffer each; the rest was the groups' own buffers: train/storage_pack.py).
+
+    Returns False and changes nothing for other optimizers, ``amsgrad``, CPU
     parameters unless ``on_cpu`` (the host update of offload keeps its own layout, and a checkpoint
     writes CPU tensors without copying them, which safetensors refuses for views of one buffer) or
     state that already exists.
@@ -108,7 +110,8 @@ def flat_adam_state(optimizer: torch.optim.Optimizer, *, on_cpu: bool = False) -
         return False
     groups = optimizer.param_groups
     params = [p for g in groups for p in g["params"]]
-    if not params or any(g.get("amsgrad") for g in groups) or (not on_cpu and any(p.device.type == "cpu" for p in params)):
+    on_host = any(p.device.type == "cpu" for p in params)
+    if not params or any(g.get("amsgrad") for g in groups) or (on_host and not on_cpu):
         return False
     from torch.optim.optimizer import _get_scalar_dtype  # the dtype torch gives ``step``
 
