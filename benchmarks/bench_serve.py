@@ -301,6 +301,12 @@ def start_server(args, *, batch: int, offload: str, nvme_path: str | None = None
            "--max-model-len", str(args.prompt_len + args.new_tokens + 8), "--max-new-tokens", str(args.new_tokens)]
     if nvme_path:
         cmd += ["--nvme-path", nvme_path]
+    if not args.engine_process:
+        cmd.append("--no-engine-process")
+    if args.step_log:
+        cmd += ["--step-log", args.step_log]
+    if args.max_prefill_tokens_per_step:
+        cmd += ["--max-prefill-tokens-per-step", str(args.max_prefill_tokens_per_step)]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:
         sys.stderr.write("[zserve] " + line)
@@ -349,6 +355,7 @@ async def open_loop(stub, pb, *, rate: float | None, n: int, args, vocab: int, n
     and the wait for completions is bounded too (requests still running then count as timed out)."""
     record: list[dict] = []
     rng = random.Random(seed)
+    t_start = time.monotonic()
     tasks, start = [], time.perf_counter()
     arrival = start
     for p in prompts(n, args.prompt_len, vocab, seed=seed):
@@ -371,10 +378,12 @@ async def open_loop(stub, pb, *, rate: float | None, n: int, args, vocab: int, n
     span = max(r["end"] for r in record) - min(r["sent"] for r in record)
     ttft = [r["ttft"] for r in record]
     return {"rate_rps": rate, "requests_sent": len(tasks), "requests_done": len(record), "errors": len(errors),
-            "timed_out": len(pending), "span_s": span, "tokens_per_s": sum(r["tokens"] for r in record) / span,
+            "t_start": t_start, "t_end": time.monotonic(), "timed_out": len(pending), "span_s": span,
+            "tokens_per_s": sum(r["tokens"] for r in record) / span,
             "requests_per_s": len(record) / span, "ttft_p50_s": percentile(ttft, 50),
             "ttft_p99_s": percentile(ttft, 99),
-            "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
+            "itl_p50_s": percentile(itl, 50), "itl_p90_s": percentile(itl, 90), "itl_p95_s": percentile(itl, 95),
+            "itl_p99_s": percentile(itl, 99), "itl_max_s": max(itl, default=float("nan")),
             "itl_p99_over_p50": percentile(itl, 99) / percentile(itl, 50) if itl else float("nan")}
 
 
@@ -385,7 +394,8 @@ async def load_session(port: int, args, *, batch: int, offline_tps: float | None
 
     base = {"bench": "load", "preset": args.preset, "layers": num_layers(args), "offload": args.offload,
             "batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-            "budget_tokens": max(args.max_num_batched_tokens, batch)}
+            "budget_tokens": max(args.max_num_batched_tokens, batch), "engine_process": args.engine_process,
+            "prefill_cap": args.max_prefill_tokens_per_step}
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = serve_pb2_grpc.GenerationServiceStub(channel)
         await open_loop(stub, serve_pb2, rate=None, n=batch, args=args, vocab=vocab, new_tokens=3, seed=1)  # warm-up
@@ -587,18 +597,20 @@ def cmd_summary(args) -> None:
               f"{peer['tokens_per_s']:.1f} = {tot:.2f}x; prefill {r['prefill_s']:.2f} s vs {peer['prefill_s']:.2f} s; "
               f"peak GPU {r['peak_device_gb']:.1f} vs {peer['peak_device_gb']:.1f} GB; first tokens {same}")
     for r in by("load"):
+        tag = (f"{'engine process' if r.get('engine_process', True) else 'one process'}, budget {r['budget_tokens']}"
+               + (f", prefill cap {r['prefill_cap']}" if r.get("prefill_cap") else ""))
         if r.get("requests_done", 0) == 0:
             print(f"SUMMARY (c) load rate {r.get('rate_rps')}: no request completed ({r.get('errors')} errors)")
         elif r.get("saturation"):
             ratio = r.get("ratio_to_offline", float("nan"))
-            print(f"SUMMARY (c) load saturation batch {r['batch']} ({r['requests_done']} requests): "
+            print(f"SUMMARY (c) load [{tag}] saturation batch {r['batch']} ({r['requests_done']} requests): "
                   f"{r['tokens_per_s']:.1f} tok/s vs offline {r.get('offline_tokens_per_s') or float('nan'):.1f} = "
                   f"{ratio:.3f}x (target >= 0.90: {_verdict(ratio, at_least=0.9)}); TTFT p50/p99 "
                   f"{r['ttft_p50_s']:.3f}/{r['ttft_p99_s']:.3f} s; ITL p50/p99 {r['itl_p50_s'] * 1e3:.1f}/"
                   f"{r['itl_p99_s'] * 1e3:.1f} ms; {r['errors']} errors, {r['timed_out']} timed out")
         else:
             frac = r["rate_rps"] / r["saturation_rps"] if r.get("saturation_rps") else float("nan")
-            print(f"SUMMARY (c) load rate {r['rate_rps']:.2f} req/s ({frac:.2f} of saturation, {r['requests_done']} "
+            print(f"SUMMARY (c) load [{tag}] rate {r['rate_rps']:.2f} req/s ({frac:.2f} of saturation, {r['requests_done']} "
                   f"requests after {r.get('rate_warmups', 0)} warm-up passes, {r['tokens_per_s']:.1f} tok/s): "
                   f"TTFT p50/p99 {r['ttft_p50_s']:.3f}/"
                   f"{r['ttft_p99_s']:.3f} s; "
@@ -671,6 +683,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=64, help="load: requests per rate (at most)")
     p.add_argument("--max-seconds", type=float, default=30.0, help="load/nvme: stop arrivals (wait) after this")
     p.add_argument("--skip-offline", action="store_true", help="load: do not measure the offline throughput")
+    p.add_argument("--max-prefill-tokens-per-step", type=int, help="load: zserve's cap on prompt tokens per step "
+                   "while sequences decode")
+    p.add_argument("--step-log", help="load: zserve appends a JSON line per step here (rows carry t_start/t_end "
+                   "on the same monotonic clock, to tell the passes apart)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="load/nvme: zserve runs the model in a process of its own (its default)")
     p.add_argument("--rate-warmups", type=int, default=1, help="load: unmeasured passes at each rate before "
                    "measuring it (0: measure cold)")
     p.add_argument("--json", help="append result rows here (summary: read them from here)")

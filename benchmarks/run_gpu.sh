@@ -56,12 +56,24 @@ serve_section() {  # SERVE_DRY=1: the same steps on the CPU with the tiny preset
       && echo "   gRPC stubs: using grpcio/protobuf from .peers/serve" | tee -a "$OUT/serve.log"
   fi
   serve_step synth 100 python3 -m zspeed.serve.cli synth --arch $small --out "$W/$small-${small_layers}l-bf16"
-  serve_step a-stream 75 python3 $B stream "${big[@]}" "${capped[@]}" --window 3
+  local window  # STREAM_WINDOWS="3 5": the streaming figure once per number of device slots
+  for window in ${STREAM_WINDOWS:-3 5}; do
+    serve_step a-stream 75 python3 $B stream "${big[@]}" "${capped[@]}" --window $window
+  done
   serve_step b-zero-inference 130 python3 $B zero-inference "${big[@]}" "${capped[@]}" --engine $engine
-  local budget  # LOAD_BUDGETS="2048 160": the load test once per step token budget
-  for budget in ${LOAD_BUDGETS:-2048}; do
-    serve_step c-load 150 ${pyenv[@]+"${pyenv[@]}"} python3 $B load "${big[@]}" --offload none --batch 1 32 \
-      "${load_lens[@]}" --requests 64 --rate-fractions 0.5 0.8 --max-seconds 12 --max-num-batched-tokens $budget
+  # the load test once per LOAD_MODES ("process inproc": zserve's engine in a process of its own, its default, or
+  # in its gRPC process), LOAD_BUDGETS (step token budget) and LOAD_CAPS (prompt tokens per step while decoding;
+  # 0: no cap); each run's zserve writes its step log to $OUT/steps-MODE-BUDGET-CAP.jsonl
+  local budget mode cap
+  for mode in ${LOAD_MODES:-process}; do
+    for budget in ${LOAD_BUDGETS:-2048}; do
+      for cap in ${LOAD_CAPS:-0}; do
+        serve_step c-load 150 ${pyenv[@]+"${pyenv[@]}"} python3 $B load "${big[@]}" --offload none --batch 1 32 \
+          "${load_lens[@]}" --requests 64 --rate-fractions 0.5 0.8 --max-seconds 12 --max-num-batched-tokens $budget \
+          --max-prefill-tokens-per-step $cap --step-log "$OUT/steps-$mode-$budget-$cap.jsonl" \
+          $([[ $mode == inproc ]] && echo --no-engine-process)
+      done
+    done
   done
   rm -rf "$W/$small-${small_layers}l-bf16"
   local free_gb n70

@@ -59,6 +59,43 @@ def copy_gaps(prof, layers: int) -> None:
         print(f"  gap {gap / 1e3:7.3f} ms before copy {i} (layer ~{i % layers})")
 
 
+def check(model, batch: int, prompt_len: int, steps: int) -> None:
+    """Greedy tokens of ``batch`` different prompts, ``steps`` each, with graphs and without: how many differ."""
+    sp = SamplingParams()
+    outputs = []
+    for graphs in (True, False):
+        runner = ModelRunner(model, max_batch_size=batch, max_model_len=prompt_len + steps + 1, graphs=graphs)
+        vocab = model.description.vocab_size
+        prompts = [tuple((7 * i + 13 * j) % (vocab - 1) + 1 for j in range(prompt_len)) for i in range(batch)]
+        out = runner.step(SchedulerOutput(step=0, prefills=tuple(PrefillChunk(i, p, 0, True, sp)
+                                                                for i, p in enumerate(prompts)))).new_token_ids
+        tokens = [[out[i][0]] for i in range(batch)]
+        for k in range(steps - 1):
+            out = runner.step(SchedulerOutput(step=k + 1, decodes=tuple(
+                DecodeItem(i, tokens[i][-1], prompt_len + k, sp) for i in range(batch)))).new_token_ids
+            for i in range(batch):
+                tokens[i].append(out[i][0])
+        outputs.append(tokens)
+        del runner
+    first_diff = [next((k for k, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(*outputs)]
+    same = sum(d is None for d in first_diff)
+    print(f"check: {same}/{batch} sequences identical over {steps} greedy tokens with and without graphs; "
+          f"first differences at steps {[d for d in first_diff if d is not None]}", flush=True)
+
+
+def series(decode, n: int, room: int) -> None:
+    """``n`` decode steps timed one by one (wall, after a sync): percentiles, then medians of blocks of 25."""
+    times = []
+    for _ in range(min(n, room)):
+        t = time.perf_counter()
+        decode()
+        times.append(1e3 * (time.perf_counter() - t))
+    q = statistics.quantiles(times, n=100)
+    print(f"series of {len(times)} decode steps: ms p10 {q[9]:.2f} p50 {q[49]:.2f} p90 {q[89]:.2f} "
+          f"p99 {q[98]:.2f} max {max(times):.2f}")
+    print("  block medians:", " ".join(f"{statistics.median(times[i:i + 25]):.1f}" for i in range(0, len(times), 25)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="llama-8b")
@@ -70,14 +107,24 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--offload", choices=("none", "cpu"), default="none")
     ap.add_argument("--window", type=int, default=3)
+    ap.add_argument("--graphs", choices=("auto", "on", "off"), default="auto",
+                    help="the runner's piecewise CUDA graphs ([Note: piecewise graphs]); auto: where supported")
+    ap.add_argument("--check", type=int, default=0, help="first generate this many greedy tokens per sequence "
+                    "at the largest batch with graphs and without, and count where they differ")
+    ap.add_argument("--series", type=int, default=0, help="also time this many single decode steps in a row at "
+                    "the largest batch and print their spread over time (host-time regimes)")
     args = ap.parse_args()
     folder = Path(args.weights_dir) / f"{args.preset}-{args.num_layers}l-bf16"  # as bench_serve.py names it
     if not (folder / "model.safetensors.index.json").exists():
         write_random_checkpoint(args.preset, folder, num_layers=args.num_layers)
     model = load_model(LoadConfig(model=str(folder), offload=args.offload, window=args.window, progress=False))
     sp = SamplingParams()
+    graphs = {"auto": None, "on": True, "off": False}[args.graphs]
+    if args.check:
+        check(model, max(args.batch), args.prompt_len, args.check)
     for batch in args.batch:
-        runner = ModelRunner(model, max_batch_size=batch + 1, max_model_len=args.prompt_len + 64)
+        runner = ModelRunner(model, max_batch_size=batch + 1, graphs=graphs,
+                             max_model_len=args.prompt_len + 64 + args.series + 4 * args.repeat)
         prompt = tuple(range(1, args.prompt_len + 1))
         runner.step(SchedulerOutput(step=0, prefills=tuple(PrefillChunk(i, prompt, 0, True, sp)
                                                           for i in range(batch))))
@@ -108,6 +155,8 @@ def main() -> None:
                     torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
             copy_gaps(prof, layers)
+        if args.series and batch == max(args.batch):
+            series(decode, args.series, runner.max_model_len - pos[0] - 1)
         pos[0] = args.prompt_len
         for i in range(batch):
             runner.free(i)

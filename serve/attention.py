@@ -87,6 +87,7 @@ class DecodeBatch:
     key_positions: torch.Tensor
     mask: torch.Tensor | None
     max_kv_length: int
+    in_order: bool = False  # the segments are rows 0 .. B-1 of the packed row, in order
 
     @staticmethod
     def host_values(segments: tuple[Segment, ...]) -> list[int]:
@@ -106,7 +107,8 @@ class DecodeBatch:
         mask = None
         if any(s.kv_length != max_kv_length for s in segments):
             mask = (key_pos <= last)[:, None, None, :]  # (B, 1, 1, Lmax)
-        return cls(rows, slots, torch.minimum(key_pos, last), mask, max_kv_length)
+        in_order = all(s.offset == i for i, s in enumerate(segments))
+        return cls(rows, slots, torch.minimum(key_pos, last), mask, max_kv_length, in_order)
 
     def gather(self, cache: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The padded keys and values of the batch, ``(B, kv_heads, Lmax, head_dim)`` each."""
@@ -129,6 +131,7 @@ class LayerAttention:
     token_slots: torch.Tensor
     token_positions: torch.Tensor
     decode: DecodeBatch | None = None
+    masks: tuple[torch.Tensor | None, ...] | None = None  # chunk_mask of each segment, made once per step
 
     @property
     def max_kv_length(self) -> int:
@@ -147,10 +150,10 @@ def chunk_mask(segment: Segment, device: torch.device) -> torch.Tensor | None:
 
 
 def attend_segment(query: torch.Tensor, zspeed: LayerAttention, seg: Segment,
-                   scaling: float | None) -> torch.Tensor:
-    """One segment over its slot: ``(1, length, heads, head_dim)`` for its rows of ``query`` ``(1, H, N, D)``."""
+                   scaling: float | None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One segment over its slot: ``(1, length, heads, head_dim)`` for its rows of ``query`` ``(1, H, N, D)``;
+    ``mask`` its :func:`chunk_mask`."""
     k, v = zspeed.cache.read(zspeed.layer, seg.slot, seg.kv_length)  # (kvH, L, D) each
-    mask = chunk_mask(seg, query.device)
     o = F.scaled_dot_product_attention(
         query[:, :, seg.rows], k[None], v[None], attn_mask=mask, scale=scaling,
         is_causal=seg.length > 1 and mask is None, enable_gqa=query.shape[1] != k.shape[0],
@@ -165,7 +168,8 @@ def attend_decodes(query: torch.Tensor, zspeed: LayerAttention, scaling: float |
     batch, kv_heads, _, dim = keys.shape
     heads = query.shape[1]
     # (B, H, D) -> (B, kvH, H/kvH, D): query head h reads key head h // (H/kvH), as enable_gqa maps them
-    q = query[0].index_select(1, decode.rows).transpose(0, 1).reshape(batch, kv_heads, heads // kv_heads, dim)
+    rows = query[0] if decode.in_order and query.shape[2] == batch else query[0].index_select(1, decode.rows)
+    q = rows.transpose(0, 1).reshape(batch, kv_heads, heads // kv_heads, dim)
     o = F.scaled_dot_product_attention(q, keys, values, attn_mask=decode.mask, scale=scaling)
     return o.reshape(batch, heads, dim)
 
@@ -199,8 +203,9 @@ def slot_attention(
         return attend_decodes(query, zspeed, scaling)[None], None
     _, heads, n, dim = query.shape
     out = query.new_empty(1, n, heads, dim)  # every row is written: the segments tile the packed row
-    for seg in zspeed.segments:
-        out[:, seg.rows] = attend_segment(query, zspeed, seg, scaling)
+    masks = zspeed.masks if zspeed.masks is not None else [chunk_mask(seg, query.device) for seg in zspeed.segments]
+    for seg, mask in zip(zspeed.segments, masks):
+        out[:, seg.rows] = attend_segment(query, zspeed, seg, scaling, mask)
     if decode is not None:
         out[0].index_copy_(0, decode.rows, attend_decodes(query, zspeed, scaling))
     return out, None

@@ -68,12 +68,19 @@ def _serve_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     b.add_argument("--max-queue-size", type=int, default=64, help="waiting requests; beyond: RESOURCE_EXHAUSTED")
     b.add_argument("--max-queue-delay-ms", type=float, default=0.0, help="let a batch form for this long")
+    b.add_argument("--max-prefill-tokens-per-step", type=int,
+                   help="prompt tokens a step may feed while sequences decode (evens out inter-token gaps)")
     b.add_argument("--max-model-len", type=int, help="prompt + output tokens (default: model's, at most 4096)")
     b.add_argument("--max-prompt-tokens", type=int, help="default: max-model-len - 1")
     b.add_argument("--max-new-tokens", type=int, default=2048, help="cap on a request's max_new_tokens")
     b.add_argument("--default-max-new-tokens", type=int, default=64, help="when a request gives 0")
     b.add_argument("--max-message-bytes", type=int, default=4 << 20)
     b.add_argument("--drain-timeout", type=float, default=300.0, help="seconds SIGTERM waits for requests")
+    b.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="run resident decoder layers as CUDA graphs around attention (default: where supported)")
+    b.add_argument("--step-log", help="append one JSON line per engine step to this file (for diagnosis)")
+    b.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the model in a process of its own, apart from the gRPC threads (default: yes)")
     o = p.add_argument_group("output")
     o.add_argument("--no-progress", action="store_true", help="no progress bars")
     o.add_argument("--log-level", default="INFO")
@@ -140,9 +147,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert, tls_key=args.tls_key, auth_token=args.auth_token or None,
         max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
         max_queue_size=args.max_queue_size, max_queue_delay_ms=args.max_queue_delay_ms,
-        max_model_len=args.max_model_len, max_prompt_tokens=args.max_prompt_tokens,
+        max_prefill_tokens_per_step=args.max_prefill_tokens_per_step, max_model_len=args.max_model_len,
+        max_prompt_tokens=args.max_prompt_tokens,
         max_new_tokens=args.max_new_tokens, default_max_new_tokens=args.default_max_new_tokens,
-        max_message_bytes=args.max_message_bytes, drain_timeout_s=args.drain_timeout,
+        max_message_bytes=args.max_message_bytes, drain_timeout_s=args.drain_timeout, step_log=args.step_log,
+        cuda_graphs=args.cuda_graphs,
     )
     load_config = LoadConfig(
         model=args.model, random_weights=args.random_weights, random_weights_dir=args.random_weights_dir,
@@ -151,30 +160,46 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     from zspeed.core.store_config import StoreError
 
-    try:
-        model = load_model(load_config)
-    except StoreError as e:
-        raise OSError(f"weight store: {e}") from None
-    # Until here SIGTERM simply ends the process: nothing to drain. From here on it drains;
-    # the handler is in place before the port opens.
+    # Until the server exists SIGTERM simply ends the process: nothing to drain. From then on it
+    # drains; the handler is in place before the port opens.
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop.set())
-    try:
-        server = create_server(model, server_config)
-        _freeze_startup_objects()
-        server.start()
-    except BaseException:
-        model.close()
-        raise
+    if args.engine_process:  # the model loads in the engine process (see [Note: engine process])
+        from .server import create_process_server
+
+        server = create_process_server(load_config, server_config)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: stop.set())
+        try:
+            freeze_startup_objects()
+            server.start()
+        except BaseException:
+            server.stop(grace=0)
+            raise
+    else:
+        try:
+            model = load_model(load_config)
+        except StoreError as e:
+            raise OSError(f"weight store: {e}") from None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: stop.set())
+        try:
+            server = create_server(model, server_config)
+            freeze_startup_objects()
+            server.start()
+        except BaseException:
+            model.close()
+            raise
     # The kernel may deliver SIGTERM to any thread; Python runs the handler on the main
     # thread only when it wakes, so wait in short slices rather than block for good.
     while not stop.wait(0.1):
-        pass
+        if not server.engine.alive:
+            logging.getLogger("zspeed.serve").error("the engine stopped; shutting down")
+            server.stop(grace=5.0)
+            return 1
     return 0 if server.drain() else 1
 
 
-def _freeze_startup_objects() -> None:
+def freeze_startup_objects() -> None:
     """Keeps what start-up left alive out of the cyclic collector's full passes (see [Note: GC freeze])."""
     gc.collect()
     gc.freeze()

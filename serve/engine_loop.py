@@ -9,11 +9,13 @@ is the only part that touches a device.
 """
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 from .errors import EngineStoppedError
 from .request import Request
@@ -138,12 +140,21 @@ class EngineLoop:
     (``QueueFullError``, ``DrainingError``, ...) at once, and
     ``EngineStoppedError`` after :meth:`stop`. :meth:`drain` (for SIGTERM)
     refuses new requests and waits for the accepted ones to finish.
+
+    With ``sink``, events are not kept in handles: every batch of them goes to
+    ``sink`` (from the loop's thread, under its lock, in order) and requests
+    come in by :meth:`enqueue`; this is how the engine process forwards them
+    (``engine_process.py``).
     """
 
-    def __init__(self, scheduler: Scheduler, runner: Runner, *, name: str = "zspeed-engine") -> None:
+    def __init__(self, scheduler: Scheduler, runner: Runner, *, name: str = "zspeed-engine",
+                 sink: Callable[[list[SequenceEvent]], None] | None = None, step_log: str | None = None) -> None:
         self._scheduler = scheduler
         self._runner = runner
         self._name = name
+        self._sink = sink
+        # One JSON line per step (``zserve --step-log``): what ran and how long each part took.
+        self._step_log = open(step_log, "a", buffering=1) if step_log else None  # noqa: SIM115 - closed in stop
         self._cond = threading.Condition()
         self._handles: dict[str, RequestHandle] = {}
         self._thread: threading.Thread | None = None
@@ -177,6 +188,9 @@ class EngineLoop:
         with self._cond:
             self._scheduler.abort_all("the engine stopped")
             self._deliver()
+            if self._step_log is not None:
+                self._step_log.close()
+                self._step_log = None
 
     def __enter__(self) -> EngineLoop:
         return self.start()
@@ -190,11 +204,18 @@ class EngineLoop:
         return self._scheduler.now()
 
     @property
+    def alive(self) -> bool:
+        """The loop's thread is running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def accepting(self) -> bool:
         with self._cond:
             return self._scheduler.accepting and not self._stopping
 
     def submit(self, request: Request) -> RequestHandle:
+        if self._sink is not None:
+            raise RuntimeError("this engine loop sends its events to a sink; use enqueue")
         handle = RequestHandle(request, self)
         with self._cond:
             if self._stopping:
@@ -203,6 +224,16 @@ class EngineLoop:
             self._handles[request.request_id] = handle
             self._cond.notify_all()
         return handle
+
+    def enqueue(self, request: Request) -> None:
+        """Like :meth:`submit` without a handle: the request's events go to the loop's ``sink``."""
+        if self._sink is None:
+            raise RuntimeError("enqueue needs an engine loop with a sink; use submit")
+        with self._cond:
+            if self._stopping:
+                raise EngineStoppedError("the engine loop is stopped")
+            self._scheduler.add_request(request)
+            self._cond.notify_all()
 
     def generate(self, request: Request, timeout: float | None = None) -> GenerationResult:
         """Submits a request and waits for its result."""
@@ -238,6 +269,7 @@ class EngineLoop:
             self._runner.free(seq_id)
         if not batch.has_work:
             return True
+        started = time.monotonic()
         try:
             output = self._runner.step(batch)
         except Exception as exc:
@@ -246,10 +278,19 @@ class EngineLoop:
                 self._scheduler.abort_step(f"runner failed: {exc!r}")
                 self._deliver()
             return True
+        ran = time.monotonic()
         with self._cond:
             self._scheduler.update(output)
             self._deliver()
+        if self._step_log is not None:
+            self._log_step(batch, started, ran, time.monotonic())
         return True
+
+    def _log_step(self, batch: SchedulerOutput, started: float, ran: float, done: float) -> None:
+        record = {"step": batch.step, "t": round(started, 6), "batch": batch.batch_size,
+                  "prefills": len(batch.prefills), "prefill_tokens": batch.num_prefill_tokens,
+                  "decodes": len(batch.decodes), "runner_s": round(ran - started, 6), "update_s": round(done - ran, 6)}
+        self._step_log.write(json.dumps(record) + "\n")
 
     def _schedule_or_wait(self) -> SchedulerOutput | None:
         with self._cond:
@@ -268,9 +309,16 @@ class EngineLoop:
         return min(_MAX_IDLE_WAIT_S, max(_MIN_IDLE_WAIT_S, wakeup - self._scheduler.now()))
 
     def _deliver(self) -> None:
-        """Hands the scheduler's events to their handles (caller holds the lock)."""
+        """Hands the scheduler's events to their handles, or to the sink (caller holds the lock)."""
         finished = False
-        for event in self._scheduler.pop_events():
+        events = self._scheduler.pop_events()
+        if self._sink is not None:
+            if events:
+                self._sink(events)
+                if any(event.finished for event in events):
+                    self._cond.notify_all()
+            return
+        for event in events:
             if event.finished:
                 handle = self._handles.pop(event.request_id)
                 finished = True

@@ -16,6 +16,18 @@ class ServeError(Exception):
     grpc_status: ClassVar[str] = "INTERNAL"
     reason: ClassVar[str] = "error"
 
+    def __reduce__(self):
+        # Subclasses take other constructor arguments than their message; pickle (the engine process
+        # sends refusals to the gRPC process) rebuilds them from the message and their fields instead.
+        return _rebuild, (type(self), str(self), dict(self.__dict__))
+
+
+def _rebuild(cls: type[ServeError], message: str, fields: dict) -> ServeError:
+    err = cls.__new__(cls)
+    Exception.__init__(err, message)
+    err.__dict__.update(fields)
+    return err
+
 
 class InvalidRequestError(ServeError, ValueError):
     """A request field is malformed; ``field`` names it."""

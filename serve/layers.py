@@ -53,6 +53,10 @@ class ResidentLayers:
     def __init__(self, layers: Sequence[nn.Module]) -> None:
         self._layers = list(layers)
 
+    @property
+    def modules(self) -> list[nn.Module]:
+        return list(self._layers)
+
     def __len__(self) -> int:
         return len(self._layers)
 

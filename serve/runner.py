@@ -20,9 +20,11 @@ from typing import Protocol
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .attention import DecodeBatch, LayerAttention, Segment
+from .attention import DecodeBatch, LayerAttention, Segment, chunk_mask
 from .kv_cache import KVCache, KVCacheConfig
+from .layers import ResidentLayers
 from .model_loader import LoadedModel
+from .piecewise import PiecewiseLayers, splittable
 from .request import SamplingParams
 from .sampling import Sampler
 from .scheduler import RunnerOutput, SchedulerOutput
@@ -65,10 +67,13 @@ class ModelRunner:
         max_batch_size: sequences at once (KV slots); the scheduler's ``max_batch_size``.
         max_model_len: prompt + output tokens of one sequence; the scheduler's ``max_model_len``.
         observer: told streamed bytes, stalls and device memory after each step.
+        graphs: run resident layers as CUDA graphs around eager attention ([Note: piecewise graphs]):
+            None (default) where the device is CUDA, the layers resident and of a Llama-family kind;
+            True also elsewhere (without CUDA the split runs eagerly: for tests); False never.
     """
 
     def __init__(self, model: LoadedModel, *, max_batch_size: int, max_model_len: int,
-                 observer: RunnerObserver | None = None) -> None:
+                 observer: RunnerObserver | None = None, graphs: bool | None = None) -> None:
         desc = model.description
         limit = min(desc.max_position_embeddings, desc.sliding_window or desc.max_position_embeddings)
         if max_model_len > limit:
@@ -82,8 +87,22 @@ class ModelRunner:
                                            dtype=desc.dtype), device=model.device)
         self.sampler = Sampler(model.device.device)
         self._observer = observer
+        self._pieces = self._piecewise(graphs)
         log.info("KV cache: %d slots x %d tokens, %.3g GB on %s", max_batch_size, max_model_len,
                  self.cache.config.nbytes / 1e9, self.device)
+
+    def _piecewise(self, graphs: bool | None) -> PiecewiseLayers | None:
+        layers, cuda = self.model.layers, self.device.device.type == "cuda"
+        resident = isinstance(layers, ResidentLayers) and all(splittable(m) for m in layers.modules)
+        if graphs is False or (graphs is None and not (cuda and resident)):
+            return None
+        if not resident:
+            raise ValueError("graphs=True needs resident (--offload none) Llama-family decoder layers")
+        log.info("decoder layers run as CUDA graphs around attention" if cuda else
+                 "decoder layers run split around attention (no CUDA: not captured)")
+        pieces = PiecewiseLayers(layers.modules, capture=cuda)
+        pieces.capture_all()
+        return pieces
 
     def kv_capacity(self) -> int:
         """For the scheduler's ``kv_capacity``: entries of all slots together."""
@@ -146,15 +165,20 @@ class ModelRunner:
         decodes = tuple(seg for seg in plan.segments if seg.length == 1)  # attended together
         ids, positions, slots, rows, decode_values = self._inputs(plan, decodes)
         decode = DecodeBatch.build(decodes, decode_values) if decodes else None
+        masks = tuple(chunk_mask(seg, self.device.device) for seg in chunks)  # once per step, not per layer
         hidden = self.model.embed(ids)  # (1, N, hidden)
         rotary = self.model.rotary(hidden, positions)  # cos, sin: (1, N, head_dim) each
         token_positions = positions[0]  # (N,)
+        if self._pieces is not None and self._pieces.fits(len(plan.token_ids)):
+            hidden = self._pieces.run(hidden, rotary, lambda i: LayerAttention(self.cache, i, chunks, slots,
+                                                                               token_positions, decode, masks))
+            return hidden[0].index_select(0, rows)  # (S, hidden)
         layers = self.model.layers
         for i in range(len(layers)):
             layer = layers.acquire(i)
             try:
                 out = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=rotary,
-                            zspeed=LayerAttention(self.cache, i, chunks, slots, token_positions, decode))
+                            zspeed=LayerAttention(self.cache, i, chunks, slots, token_positions, decode, masks))
                 hidden = out[0] if isinstance(out, tuple) else out  # transformers < 5 returns a tuple
             finally:
                 layers.release(i)

@@ -63,7 +63,15 @@ class SchedulerConfig:
     """Limits of the batcher.
 
     ``max_num_batched_tokens`` is the step's token budget: prompt tokens fed
-    plus one per decoding sequence. ``max_queue_size`` bounds the waiting
+    plus one per decoding sequence. ``max_prefill_tokens_per_step`` caps the
+    prompt tokens of a step in which sequences decode (None: no cap beyond the
+    budget): a step that also prefills takes longer, and every decoding
+    sequence waits for it, so a small cap keeps inter-token gaps even, at the
+    cost of a few steps' more time to first token. The cap is lifted while
+    more requests wait than the batch has free slots (a backlog: admitting
+    them fast is worth more than even gaps, and throughput at saturation stays
+    that of whole-prompt prefill), and a step with nothing decoding prefills
+    up to the whole budget. ``max_queue_size`` bounds the waiting
     queue (running sequences do not count). ``max_model_len`` bounds prompt +
     output. ``eos_token_ids`` stop every request that does not set
     ``ignore_eos``.
@@ -73,6 +81,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_queue_size: int = 128
     max_queue_delay_ms: float = 0.0
+    max_prefill_tokens_per_step: int | None = None
     enable_chunked_prefill: bool = True
     max_model_len: int | None = None
     eos_token_ids: frozenset[int] = frozenset()
@@ -85,6 +94,9 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_batch_size "
                 f"({self.max_batch_size}): every running sequence decodes one token per step"
             )
+        if self.max_prefill_tokens_per_step is not None and self.max_prefill_tokens_per_step < 1:
+            raise ValueError(f"max_prefill_tokens_per_step must be >= 1 (or None for no cap), "
+                             f"got {self.max_prefill_tokens_per_step}")
         if self.max_queue_size < 1:
             raise ValueError(f"max_queue_size must be >= 1 (every request queues first), got {self.max_queue_size}")
         if self.max_queue_delay_ms < 0:
@@ -357,6 +369,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         decodes = tuple(self._decode_item(s) for s in self._running if not s.is_prefilling)
         budget -= len(decodes)
+        cap = self.config.max_prefill_tokens_per_step
+        if decodes and cap is not None and len(self._waiting) <= self.config.max_batch_size - len(self._running):
+            budget = min(budget, cap)  # no backlog: keep this step's prefill small (see the config)
         prefills = []
         for seq in self._running:
             if seq.is_prefilling and budget > 0:

@@ -20,7 +20,7 @@ import threading
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -32,10 +32,15 @@ import zspeed
 from ._proto import serve_pb2, serve_pb2_grpc
 from .engine_loop import EngineLoop, Runner
 from .metrics import MetricsServer, ServeMetrics, start_metrics_server
-from .model_loader import LoadedModel
+from .model_loader import LoadConfig, LoadedModel, ModelDescription
 from .runner import ModelRunner
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import Scheduler, SchedulerConfig, SequenceEvent
 from .servicer import GenerationServicer, RequestLimits
+from .stats import StatsObserver
+from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .engine_process import EngineProcess
 
 log = logging.getLogger("zspeed.serve")
 
@@ -53,7 +58,10 @@ class ServerConfig:
     (at most 4096); ``max_prompt_tokens=None`` allows ``max_model_len - 1``.
     ``max_workers`` bounds concurrent RPCs (default: enough for every running
     and queued request plus a few for health and info); calls beyond it are
-    refused ``RESOURCE_EXHAUSTED`` by gRPC itself.
+    refused ``RESOURCE_EXHAUSTED`` by gRPC itself. ``step_log`` appends one JSON
+    line per engine step to that file (what ran, how long the runner took).
+    ``cuda_graphs`` is the runner's ``graphs`` ([Note: piecewise graphs]; None:
+    where supported).
     """
 
     host: str = "127.0.0.1"
@@ -67,6 +75,7 @@ class ServerConfig:
     max_num_batched_tokens: int = 2048
     max_queue_size: int = 64
     max_queue_delay_ms: float = 0.0
+    max_prefill_tokens_per_step: int | None = None
     max_model_len: int | None = None
     max_prompt_tokens: int | None = None
     max_new_tokens: int = 2048
@@ -74,6 +83,8 @@ class ServerConfig:
     max_message_bytes: int = 4 << 20
     max_workers: int | None = None
     drain_timeout_s: float = 300.0
+    step_log: str | None = None
+    cuda_graphs: bool | None = None
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -127,7 +138,7 @@ class Server:
     known after :meth:`start`.
     """
 
-    def __init__(self, config: ServerConfig, *, engine: EngineLoop, servicer: GenerationServicer,
+    def __init__(self, config: ServerConfig, *, engine: EngineLoop | EngineProcess, servicer: GenerationServicer,
                  metrics: ServeMetrics, on_close: Callable[[], None] = lambda: None) -> None:
         self.config = config
         self.engine = engine
@@ -221,30 +232,70 @@ class Server:
 def create_server(model: LoadedModel, config: ServerConfig, *,
                   wrap_runner: Callable[[ModelRunner], Runner] | None = None,
                   registry: CollectorRegistry | None = None) -> Server:
-    """A :class:`Server` for ``model`` (not started). ``wrap_runner`` lets tests slow or watch the runner."""
-    desc = model.description
+    """A :class:`Server` for ``model`` with the engine loop in this process (not started).
+
+    ``wrap_runner`` lets tests slow or watch the runner. ``zserve`` runs the
+    engine in a process of its own instead (:func:`create_process_server`).
+    """
     metrics = ServeMetrics(registry or CollectorRegistry())
-    max_model_len = config.max_model_len or min(desc.max_position_embeddings, desc.sliding_window or 1 << 62,
-                                                 _DEFAULT_MAX_MODEL_LEN)
-    runner = ModelRunner(model, max_batch_size=config.max_batch_size, max_model_len=max_model_len, observer=metrics)
-    scheduler = Scheduler(
-        SchedulerConfig(max_batch_size=config.max_batch_size, max_num_batched_tokens=config.max_num_batched_tokens,
-                        max_queue_size=config.max_queue_size, max_queue_delay_ms=config.max_queue_delay_ms,
-                        max_model_len=max_model_len, eos_token_ids=frozenset(desc.eos_token_ids)),
-        kv_capacity=runner.kv_capacity, detokenize=model.tokenizer.decode, observer=metrics,
-    )
-    engine = EngineLoop(scheduler, wrap_runner(runner) if wrap_runner else runner)
-    limits = RequestLimits(vocab_size=desc.vocab_size, max_prompt_tokens=config.max_prompt_tokens or max_model_len - 1,
-                           max_new_tokens=config.max_new_tokens,
-                           default_max_new_tokens=min(config.default_max_new_tokens, config.max_new_tokens))
-    servicer = GenerationServicer(engine, tokenizer=model.tokenizer, limits=limits,
-                                  model_info=_model_info(model, limits, max_model_len, config), observer=metrics)
+    engine, runner, max_model_len = build_engine(model, config, observer=metrics, wrap_runner=wrap_runner)
+    servicer, limits = _servicer(engine, model.description, model.tokenizer, max_model_len, config, metrics)
     return Server(config, engine=engine, servicer=servicer, metrics=metrics, on_close=runner.close)
 
 
-def _model_info(model: LoadedModel, limits: RequestLimits, max_model_len: int,
-                config: ServerConfig) -> serve_pb2.ModelInfoResponse:
+def create_process_server(load_config: LoadConfig, config: ServerConfig, *,
+                          registry: CollectorRegistry | None = None) -> Server:
+    """A :class:`Server` whose model, runner and scheduler live in a child process (not started).
+
+    Loads the model there (this returns once it is loaded); see [Note: engine process] in
+    ``engine_process.py`` for why serving is split in two processes.
+    """
+    from .engine_process import EngineProcess
+
+    metrics = ServeMetrics(registry or CollectorRegistry())
+    engine = EngineProcess(load_config, config, observer=metrics)
+    try:
+        servicer, _ = _servicer(engine, engine.description, engine.tokenizer, engine.max_model_len, config, metrics)
+    except BaseException:
+        engine.stop()
+        raise
+    return Server(config, engine=engine, servicer=servicer, metrics=metrics)
+
+
+def build_engine(model: LoadedModel, config: ServerConfig, *, observer: ServeMetrics | StatsObserver,
+                 wrap_runner: Callable[[ModelRunner], Runner] | None = None,
+                 sink: Callable[[list[SequenceEvent]], None] | None = None,
+                 ) -> tuple[EngineLoop, ModelRunner, int]:
+    """The runner, scheduler and engine loop of ``model`` under ``config``; also the max model length."""
     desc = model.description
+    max_model_len = config.max_model_len or min(desc.max_position_embeddings, desc.sliding_window or 1 << 62,
+                                                 _DEFAULT_MAX_MODEL_LEN)
+    runner = ModelRunner(model, max_batch_size=config.max_batch_size, max_model_len=max_model_len, observer=observer,
+                         graphs=config.cuda_graphs)
+    scheduler = Scheduler(
+        SchedulerConfig(max_batch_size=config.max_batch_size, max_num_batched_tokens=config.max_num_batched_tokens,
+                        max_queue_size=config.max_queue_size, max_queue_delay_ms=config.max_queue_delay_ms,
+                        max_prefill_tokens_per_step=config.max_prefill_tokens_per_step, max_model_len=max_model_len,
+                        eos_token_ids=frozenset(desc.eos_token_ids)),
+        kv_capacity=runner.kv_capacity, detokenize=model.tokenizer.decode, observer=observer,
+    )
+    engine = EngineLoop(scheduler, wrap_runner(runner) if wrap_runner else runner, sink=sink,
+                        step_log=config.step_log)
+    return engine, runner, max_model_len
+
+
+def _servicer(engine, desc: ModelDescription, tokenizer: Tokenizer, max_model_len: int, config: ServerConfig,
+              metrics: ServeMetrics) -> tuple[GenerationServicer, RequestLimits]:
+    limits = RequestLimits(vocab_size=desc.vocab_size, max_prompt_tokens=config.max_prompt_tokens or max_model_len - 1,
+                           max_new_tokens=config.max_new_tokens,
+                           default_max_new_tokens=min(config.default_max_new_tokens, config.max_new_tokens))
+    servicer = GenerationServicer(engine, tokenizer=tokenizer, limits=limits,
+                                  model_info=_model_info(desc, limits, max_model_len, config), observer=metrics)
+    return servicer, limits
+
+
+def _model_info(desc: ModelDescription, limits: RequestLimits, max_model_len: int,
+                config: ServerConfig) -> serve_pb2.ModelInfoResponse:
     return serve_pb2.ModelInfoResponse(
         model_id=desc.model_id, architecture=desc.architecture, vocab_size=desc.vocab_size,
         max_model_len=max_model_len, eos_token_ids=desc.eos_token_ids, max_prompt_tokens=limits.max_prompt_tokens,

@@ -83,3 +83,23 @@ def wait_until(predicate, timeout: float = 10.0, interval: float = 0.01) -> bool
             return True
         time.sleep(interval)
     return predicate()
+
+
+def scrape(server) -> dict[tuple[str, tuple], float]:
+    """A server's metrics page: ``{(sample name, sorted labels): value}``."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def status_of(call):
+    """The ``(grpc.StatusCode, details)`` that ``call()`` fails with (it must fail)."""
+    import grpc
+
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    return info.value.code(), info.value.details()

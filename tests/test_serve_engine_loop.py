@@ -288,3 +288,24 @@ def test_stubs_serve_generate_and_stream_over_grpc():
     assert [t for c in chunks for t in c.token_ids] == reference([3, 4], 5)
     assert [c.finish_reason for c in chunks][-1] == serve_pb2.FINISH_REASON_LENGTH
     assert list(whole.token_ids) == reference([3, 4], 5) and whole.usage.completion_tokens == 5
+
+
+def test_step_log_and_sink_mode(tmp_path):
+    """``step_log`` writes a line per step; with a sink, events go there in order and submit is refused."""
+    import json
+
+    events = []
+    log = tmp_path / "steps.jsonl"
+    loop = EngineLoop(Scheduler(SchedulerConfig(max_batch_size=4)), FakeRunner(), sink=events.extend,
+                      step_log=str(log))
+    with loop:
+        with pytest.raises(RuntimeError, match="enqueue"):
+            loop.submit(req("x", [1]))
+        loop.enqueue(req("a", [1, 2, 3], n=4))
+        wait_until(lambda: any(e.finished for e in events))
+    assert [t for e in events for t in e.token_ids] == reference([1, 2, 3], 4)
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4] and steps[0]["prefill_tokens"] == 3
+    assert all(s["decodes"] == 1 and s["runner_s"] >= 0 for s in steps[1:])
+    with pytest.raises(RuntimeError, match="sink"):
+        engine(FakeRunner()).enqueue(req("y", [1]))

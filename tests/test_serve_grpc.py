@@ -10,15 +10,13 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.serve_cases import PROMPTS, load_tiny, wait_until
+from tests.serve_cases import PROMPTS, load_tiny, scrape, status_of, wait_until
 from zspeed.serve import Client
 from zspeed.serve._proto import serve_pb2, serve_pb2_grpc
 from zspeed.serve.cli import main as zserve_main
@@ -70,16 +68,6 @@ def client(server):
         yield c
 
 
-def scrape(server) -> dict[tuple[str, tuple], float]:
-    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def status_of(call) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.RpcError) as info:
-        call()
-    return info.value.code(), info.value.details()
 
 
 # -- results -----------------------------------------------------------------------------------------------------

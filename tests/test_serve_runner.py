@@ -23,8 +23,9 @@ from zspeed.serve.sequence import SequenceStatus
 from zspeed.core.device import DeviceHandle
 
 
-def make_engine(model, *, max_batch_size=4, budget=16, max_model_len=256) -> tuple[EngineLoop, ModelRunner]:
-    runner = ModelRunner(model, max_batch_size=max_batch_size, max_model_len=max_model_len)
+def make_engine(model, *, max_batch_size=4, budget=16, max_model_len=256,
+                graphs=None) -> tuple[EngineLoop, ModelRunner]:
+    runner = ModelRunner(model, max_batch_size=max_batch_size, max_model_len=max_model_len, graphs=graphs)
     config = SchedulerConfig(max_batch_size=max_batch_size, max_num_batched_tokens=budget, max_model_len=max_model_len,
                              eos_token_ids=frozenset(model.description.eos_token_ids))
     return EngineLoop(Scheduler(config, kv_capacity=runner.kv_capacity), runner), runner
@@ -64,6 +65,37 @@ def test_batched_requests_match_hf_generate(tiny_dir, reference, tmp_path, offlo
         if offload == "nvme":
             assert len(list((tmp_path / "nvme").glob("*.ztensor"))) == 3 * 9
     runner.close()
+
+
+def test_layers_split_around_attention_match_hf_generate(tiny_dir, reference, monkeypatch):
+    """[Note: piecewise graphs], run eagerly on the CPU: steps padded to bucket sizes (chunked prefill
+    mixed with decodes) give HF's greedy outputs; a step beyond the largest bucket runs the plain layers."""
+    from zspeed.serve import piecewise
+
+    model = load_tiny(tiny_dir)
+    engine, runner = make_engine(model, max_batch_size=4, budget=16, graphs=True)
+    assert runner._pieces is not None and not runner._pieces.capture
+    runs = []
+    monkeypatch.setattr(piecewise.PiecewiseLayers, "run", lambda self, h, *a, _run=piecewise.PiecewiseLayers.run:
+                        runs.append(h.shape[1]) or _run(self, h, *a))
+    with engine:
+        results = generate_all(engine, PROMPTS)
+    for prompt, result in zip(PROMPTS, results):
+        assert result.token_ids == reference.greedy(prompt), f"prompt of {len(prompt)} tokens"
+    assert runs and {runner._pieces.bucket(n) for n in runs} >= {4, 16}, "decode-only and mixed steps, padded"
+    small = ModelRunner(model, max_batch_size=2, max_model_len=128, graphs=True)
+    small._pieces.buckets = (1, 2, 4)  # a 37-token prompt is beyond: the plain layers run it
+    runs.clear()
+    sp = SamplingParams(max_new_tokens=3)
+    first = small.step(SchedulerOutput(step=1, prefills=(PrefillChunk(0, tuple(PROMPTS[1]), 0, True, sp),)))
+    second = small.step(SchedulerOutput(step=2, decodes=(DecodeItem(0, first.new_token_ids[0][0], 37, sp),)))
+    assert runs == [1] and [first.new_token_ids[0][0], second.new_token_ids[0][0]] == list(reference.greedy(PROMPTS[1], 2))
+
+
+def test_layers_that_do_not_split_are_refused(tiny_dir):
+    with pytest.raises(ValueError, match="resident"):
+        ModelRunner(load_tiny(tiny_dir, offload="cpu"), max_batch_size=1, max_model_len=64, graphs=True)
+    assert ModelRunner(load_tiny(tiny_dir), max_batch_size=1, max_model_len=64)._pieces is None, "auto: CUDA only"
 
 
 def test_eos_stops_like_hf(tiny_dir, reference):
@@ -241,7 +273,11 @@ def test_other_llama_family_shapes_match_hf(arch, tmp_path):
     engine, runner = make_engine(model, max_model_len=128)
     with engine:
         results = generate_all(engine, PROMPTS[:3], ignore_eos=True)
-    assert [r.token_ids for r in results] == [Reference(hf_model).greedy(p, ignore_eos=True) for p in PROMPTS[:3]]
+    expected = [Reference(hf_model).greedy(p, ignore_eos=True) for p in PROMPTS[:3]]
+    assert [r.token_ids for r in results] == expected
+    engine, runner = make_engine(load_tiny(tmp_path / arch), max_model_len=128, graphs=True)  # split layers
+    with engine:
+        assert [r.token_ids for r in generate_all(engine, PROMPTS[:3], ignore_eos=True)] == expected
     if arch == "mistral":
         with pytest.raises(ValueError, match="sliding window"):
             ModelRunner(model, max_batch_size=1, max_model_len=256)
