@@ -59,28 +59,35 @@ def copy_gaps(prof, layers: int) -> None:
         print(f"  gap {gap / 1e3:7.3f} ms before copy {i} (layer ~{i % layers})")
 
 
-def check(model, batch: int, prompt_len: int, steps: int) -> None:
-    """Greedy tokens of ``batch`` different prompts, ``steps`` each, with graphs and without: how many differ."""
+def check(model, batch: int, prompt_len: int, steps: int, chunk: int = 32) -> None:
+    """Greedy tokens of ``batch`` different prompts, ``steps`` each: with graphs, without, and with graphs and
+    the prompts fed in ``chunk``-token pieces (bottom-right causal attention); how many differ from the first."""
     sp = SamplingParams()
-    outputs = []
-    for graphs in (True, False):
-        runner = ModelRunner(model, max_batch_size=batch, max_model_len=prompt_len + steps + 1, graphs=graphs)
-        vocab = model.description.vocab_size
-        prompts = [tuple((7 * i + 13 * j) % (vocab - 1) + 1 for j in range(prompt_len)) for i in range(batch)]
-        out = runner.step(SchedulerOutput(step=0, prefills=tuple(PrefillChunk(i, p, 0, True, sp)
-                                                                for i, p in enumerate(prompts)))).new_token_ids
+    vocab = model.description.vocab_size
+    prompts = [tuple((7 * i + 13 * j) % (vocab - 1) + 1 for j in range(prompt_len)) for i in range(batch)]
+    outputs = {}
+    for mode in ("graphs", "eager", "chunked"):
+        runner = ModelRunner(model, max_batch_size=batch, max_model_len=prompt_len + steps + 1,
+                             graphs=mode != "eager")
+        pieces = [(0, prompt_len)] if mode != "chunked" else \
+            [(a, min(a + chunk, prompt_len)) for a in range(0, prompt_len, chunk)]
+        for k, (a, b) in enumerate(pieces):
+            out = runner.step(SchedulerOutput(step=k, prefills=tuple(
+                PrefillChunk(i, p[a:b], a, b == prompt_len, sp) for i, p in enumerate(prompts)))).new_token_ids
         tokens = [[out[i][0]] for i in range(batch)]
         for k in range(steps - 1):
-            out = runner.step(SchedulerOutput(step=k + 1, decodes=tuple(
+            out = runner.step(SchedulerOutput(step=100 + k, decodes=tuple(
                 DecodeItem(i, tokens[i][-1], prompt_len + k, sp) for i in range(batch)))).new_token_ids
             for i in range(batch):
                 tokens[i].append(out[i][0])
-        outputs.append(tokens)
+        outputs[mode] = tokens
         del runner
-    first_diff = [next((k for k, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(*outputs)]
-    same = sum(d is None for d in first_diff)
-    print(f"check: {same}/{batch} sequences identical over {steps} greedy tokens with and without graphs; "
-          f"first differences at steps {[d for d in first_diff if d is not None]}", flush=True)
+    for mode in ("eager", "chunked"):
+        first_diff = [next((k for k, (a, b) in enumerate(zip(x, y)) if a != b), None)
+                      for x, y in zip(outputs["graphs"], outputs[mode])]
+        same = sum(d is None for d in first_diff)
+        print(f"check: {same}/{batch} sequences identical over {steps} greedy tokens, graphs vs {mode}; "
+              f"first differences at steps {[d for d in first_diff if d is not None]}", flush=True)
 
 
 def series(decode, n: int, room: int) -> None:

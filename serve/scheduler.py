@@ -68,10 +68,12 @@ class SchedulerConfig:
     budget): a step that also prefills takes longer, and every decoding
     sequence waits for it, so a small cap keeps inter-token gaps even, at the
     cost of a few steps' more time to first token. The cap is lifted while
-    more requests wait than the batch has free slots (a backlog: admitting
-    them fast is worth more than even gaps, and throughput at saturation stays
-    that of whole-prompt prefill), and a step with nothing decoding prefills
-    up to the whole budget. ``max_queue_size`` bounds the waiting
+    there is a backlog: more requests waiting than the batch has free slots,
+    or than an eighth of the batch size (a burst: admitting it fast is worth
+    more than even gaps, and throughput at saturation stays that of
+    whole-prompt prefill; requests arriving one by one below saturation rarely
+    queue that deep). A step with nothing decoding prefills up to the whole
+    budget. ``max_queue_size`` bounds the waiting
     queue (running sequences do not count). ``max_model_len`` bounds prompt +
     output. ``eos_token_ids`` stop every request that does not set
     ``ignore_eos``.
@@ -370,8 +372,8 @@ class Scheduler:
         decodes = tuple(self._decode_item(s) for s in self._running if not s.is_prefilling)
         budget -= len(decodes)
         cap = self.config.max_prefill_tokens_per_step
-        if decodes and cap is not None and len(self._waiting) <= self.config.max_batch_size - len(self._running):
-            budget = min(budget, cap)  # no backlog: keep this step's prefill small (see the config)
+        if decodes and cap is not None and not self._backlog():
+            budget = min(budget, cap)  # keep this step's prefill small (see the config)
         prefills = []
         for seq in self._running:
             if seq.is_prefilling and budget > 0:
@@ -385,6 +387,11 @@ class Scheduler:
             self._in_flight = out
         self._publish_queue()
         return out
+
+    def _backlog(self) -> bool:
+        """More requests wait than can be admitted at once, or than an eighth of the batch (see the config)."""
+        waiting, size = len(self._waiting), self.config.max_batch_size
+        return waiting > size - len(self._running) or waiting > max(1, size // 8)
 
     def _admit(self, now: float, budget: int) -> list[PrefillChunk]:
         chunks: list[PrefillChunk] = []

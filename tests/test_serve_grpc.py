@@ -100,6 +100,14 @@ def test_concurrent_requests_of_different_lengths_match_hf(client, reference):
     check_concurrent_requests(client, reference)
 
 
+def test_cuda_graphs_option_reaches_the_runner(tiny_dir, reference):
+    """``ServerConfig.cuda_graphs`` (zserve --cuda-graphs): the runner splits its layers (eagerly on a CPU)."""
+    with running_server(tiny_dir, cuda_graphs=True) as server, \
+            Client(f"127.0.0.1:{server.port}", timeout=60) as client:
+        assert server.engine._runner._pieces is not None
+        check_concurrent_requests(client, reference)
+
+
 @pytest.mark.parametrize("offload", ["cpu", "nvme"])
 def test_offloaded_server_matches_hf(tiny_dir, reference, tmp_path, offload):
     with running_server(tiny_dir, offload=offload, nvme_path=str(tmp_path / "nvme")) as server, \

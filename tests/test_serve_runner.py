@@ -197,19 +197,21 @@ def test_random_preset_checkpoint(tmp_path):
 
 
 def test_int8_zcompress_folder_matches_the_quantized_model(tiny_dir, tmp_path):
-    """INT8 weights served (resident and streamed as int8 bytes) equal the quantized model run directly."""
+    """INT8 weights served (resident, resident split around attention as for CUDA graphs, and streamed as
+    int8 bytes) equal the quantized model run directly."""
     from zspeed.compress import RTNConfig, load_compressed, quantize_model, save_compressed
 
     model = build_tiny_model()
     quantize_model(model, RTNConfig(bits=8), progress=False)
     save_compressed(model, tmp_path / "int8")
     quantized = Reference(load_compressed(tmp_path / "int8"))
-    for offload in ("none", "cpu"):
+    for offload, graphs in (("none", None), ("none", True), ("cpu", None)):
         served = load_tiny(tmp_path / "int8", offload=offload)
         assert served.description.quantization == "int8"
         if offload == "cpu":
             assert served.layers.store.meta("model.layers.0.mlp.up_proj.qweight").dtype == torch.int8
-        engine, _ = make_engine(served)
+        engine, runner = make_engine(served, graphs=graphs)
+        assert (runner._pieces is not None) == bool(graphs)
         with engine:
             results = generate_all(engine, PROMPTS[:4])
         assert [r.token_ids for r in results] == [quantized.greedy(p) for p in PROMPTS[:4]], offload

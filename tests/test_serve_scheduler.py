@@ -525,7 +525,7 @@ def test_stats_report_queue_time_first_token_and_inter_token_latency():
 
 
 def test_prefill_cap_applies_only_while_sequences_decode():
-    cfg = SchedulerConfig(max_batch_size=4, max_num_batched_tokens=64, max_prefill_tokens_per_step=4)
+    cfg = SchedulerConfig(max_batch_size=16, max_num_batched_tokens=64, max_prefill_tokens_per_step=4)
     sched, runner = Scheduler(cfg), FakeRunner()
     sched.add_request(req("a", list(range(1, 11)), max_new_tokens=8))
     first = step(sched, runner)
@@ -540,15 +540,22 @@ def test_prefill_cap_applies_only_while_sequences_decode():
     assert chunks[:3] == [(1, 0, 4), (1, 4, 4), (1, 8, 2)] and (2, 0, 2) in chunks[2:4]
     events = sched.pop_events() + run_all(sched, runner)
     assert outputs(events)["b"] == reference(range(20, 30), 3) and outputs(events)["c"] == reference([7, 8], 3)
-    # a backlog (more waiting than free slots) lifts the cap: admitting fast beats even gaps
+    # a backlog lifts the cap: admitting fast beats even gaps
     sched, runner = Scheduler(cfg), FakeRunner()
     sched.add_request(req("a", [1, 2], max_new_tokens=8))
     step(sched, runner)
     for i in range(5):
         sched.add_request(req(f"q{i}", list(range(30, 40)), max_new_tokens=2))
-    assert step(sched, runner).num_prefill_tokens == 30, "5 waiting > 3 free slots: three whole prompts"
+    assert step(sched, runner).num_prefill_tokens == 50, "5 waiting > 16 / 8: every prompt whole"
     events = sched.pop_events() + run_all(sched, runner)
     assert all(outputs(events)[f"q{i}"] == reference(range(30, 40), 2) for i in range(5))
+    narrow = Scheduler(SchedulerConfig(max_batch_size=4, max_num_batched_tokens=64, max_prefill_tokens_per_step=4))
+    runner = FakeRunner()
+    narrow.add_request(req("a", [1, 2], max_new_tokens=8))
+    step(narrow, runner)
+    for i in range(4):
+        narrow.add_request(req(f"q{i}", list(range(30, 40)), max_new_tokens=2))
+    assert step(narrow, runner).num_prefill_tokens == 30, "4 waiting > 3 free slots: three whole prompts"
     with pytest.raises(ValueError, match="max_prefill_tokens_per_step"):
         SchedulerConfig(max_prefill_tokens_per_step=0)
 
