@@ -125,12 +125,21 @@ def capacity_driver(args) -> list[dict]:
                    str(29600 + len(rows)), __file__, "--capacity-one", "--size", size, "--system", system,
                    "--seq", str(args.seq), "--warmup", str(args.warmup), "--steps", str(args.steps)]
             t0 = time.time()
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-            found = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-            row = found[0] if found else {"system": system, "size": size, "ok": False,
-                                          "error": f"rc {proc.returncode}: {(proc.stdout + proc.stderr)[-400:]}"}
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            except subprocess.TimeoutExpired as e:
+                out = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x or ""
+                              for x in (e.stdout, e.stderr))
+                row = {"system": system, "size": size, "ok": False,
+                       "error": f"timed out after {args.timeout} s: {out[-400:]}"}
+            else:
+                found = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+                row = found[0] if found else {"system": system, "size": size, "ok": False,
+                                              "error": f"rc {proc.returncode}: {(proc.stdout + proc.stderr)[-400:]}"}
             rows.append(row)
             print(f"== {size} {system}: {row} ({time.time() - t0:.0f} s)", flush=True)
+            if args.json:  # after every row: a call cut short by its time limit keeps what finished
+                Path(args.json).write_text(json.dumps(rows, indent=1))
     print(f"\n{'size':5s} {'system':22s} {'tok/s':>8s} {'step s':>7s} {'GPU GiB':>8s} {'host GiB':>9s}")
     for r in rows:
         if r.get("ok"):
@@ -181,9 +190,7 @@ def main() -> None:
     if args.capacity_one:
         run_capacity_one(args)
         return
-    rows = capacity_driver(args) if args.mode == "capacity" else throughput_driver(args)
-    if args.json and args.mode == "capacity":
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    capacity_driver(args) if args.mode == "capacity" else throughput_driver(args)
 
 
 if __name__ == "__main__":

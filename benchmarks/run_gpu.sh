@@ -97,7 +97,11 @@ for s in $sections; do
                --json "$OUT/offload.json" ;;
     offload3) run offload3 540 python3 benchmarks/bench_offload.py --mode throughput --nproc 2 --timeout 200 \
                 --json "$OUT/offload.json" ;;
-    capacity) run capacity 900 python3 benchmarks/bench_offload.py --mode capacity --json "$OUT/capacity.json" ;;
+    # one call may run 600 s: by default the 8 B pair of ZeRO-3 offload systems only (each in its own process,
+    # 280 s at most); CAPACITY_SIZES / CAPACITY_SYSTEMS for others. 8 B needs ~130 GB of host memory: nvidia-h200-x2.
+    capacity) run capacity 580 python3 benchmarks/bench_offload.py --mode capacity --sizes "${CAPACITY_SIZES:-8b}" \
+                --systems "${CAPACITY_SYSTEMS:-zspeed-z3-offload,deepspeed-z3-offload}" --timeout 280 \
+                --json "$OUT/capacity.json" ;;
     kernels) run kernels 400 python3 benchmarks/bench_kernels.py ;;
     decode) run decode 240 python3 benchmarks/bench_decode.py --json "$OUT/decode.json" ;;
     serve) serve_section ;;
