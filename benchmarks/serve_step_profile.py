@@ -60,15 +60,16 @@ def copy_gaps(prof, layers: int) -> None:
 
 
 def check(model, batch: int, prompt_len: int, steps: int, chunk: int = 32) -> None:
-    """Greedy tokens of ``batch`` different prompts, ``steps`` each: with graphs, without, and with graphs and
-    the prompts fed in ``chunk``-token pieces (bottom-right causal attention); how many differ from the first."""
+    """Greedy tokens of ``batch`` different prompts, ``steps`` each: with graphs, without, with graphs and the
+    prompts fed in ``chunk``-token pieces, and with graphs and the Triton decode attention; how many differ
+    from the first."""
     sp = SamplingParams()
     vocab = model.description.vocab_size
     prompts = [tuple((7 * i + 13 * j) % (vocab - 1) + 1 for j in range(prompt_len)) for i in range(batch)]
     outputs = {}
-    for mode in ("graphs", "eager", "chunked"):
+    for mode in ("graphs", "eager", "chunked", "triton"):
         runner = ModelRunner(model, max_batch_size=batch, max_model_len=prompt_len + steps + 1,
-                             graphs=mode != "eager")
+                             graphs=mode != "eager", decode_attention="triton" if mode == "triton" else "sdpa")
         pieces = [(0, prompt_len)] if mode != "chunked" else \
             [(a, min(a + chunk, prompt_len)) for a in range(0, prompt_len, chunk)]
         for k, (a, b) in enumerate(pieces):
@@ -82,7 +83,7 @@ def check(model, batch: int, prompt_len: int, steps: int, chunk: int = 32) -> No
                 tokens[i].append(out[i][0])
         outputs[mode] = tokens
         del runner
-    for mode in ("eager", "chunked"):
+    for mode in ("eager", "chunked", "triton"):
         first_diff = [next((k for k, (a, b) in enumerate(zip(x, y)) if a != b), None)
                       for x, y in zip(outputs["graphs"], outputs[mode])]
         same = sum(d is None for d in first_diff)
@@ -116,6 +117,8 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=3)
     ap.add_argument("--graphs", choices=("auto", "on", "off"), default="auto",
                     help="the runner's piecewise CUDA graphs ([Note: piecewise graphs]); auto: where supported")
+    ap.add_argument("--decode-attention", choices=("sdpa", "triton"), default="sdpa",
+                    help="the runner's decode attention (the timed runs; --check compares both)")
     ap.add_argument("--check", type=int, default=0, help="first generate this many greedy tokens per sequence "
                     "at the largest batch with graphs and without, and count where they differ")
     ap.add_argument("--series", type=int, default=0, help="also time this many single decode steps in a row at "
@@ -130,7 +133,7 @@ def main() -> None:
     if args.check:
         check(model, max(args.batch), args.prompt_len, args.check)
     for batch in args.batch:
-        runner = ModelRunner(model, max_batch_size=batch + 1, graphs=graphs,
+        runner = ModelRunner(model, max_batch_size=batch + 1, graphs=graphs, decode_attention=args.decode_attention,
                              max_model_len=args.prompt_len + 64 + args.series + 4 * args.repeat)
         prompt = tuple(range(1, args.prompt_len + 1))
         runner.step(SchedulerOutput(step=0, prefills=tuple(PrefillChunk(i, prompt, 0, True, sp)

@@ -88,6 +88,8 @@ class DecodeBatch:
     mask: torch.Tensor | None
     max_kv_length: int
     in_order: bool = False  # the segments are rows 0 .. B-1 of the packed row, in order
+    lengths: torch.Tensor | None = None  # (B,) each one's start + 1
+    kernel: bool = False  # attend with the Triton slot kernel ([Note: slot decode attention]), not SDPA
 
     @staticmethod
     def host_values(segments: tuple[Segment, ...]) -> list[int]:
@@ -96,8 +98,9 @@ class DecodeBatch:
         return [s.offset for s in segments] + [s.slot for s in segments] + [s.kv_length for s in segments]
 
     @classmethod
-    def build(cls, segments: tuple[Segment, ...], values: torch.Tensor) -> DecodeBatch:
-        """From one-token ``segments`` and ``values``, :meth:`host_values` on the device (no sync)."""
+    def build(cls, segments: tuple[Segment, ...], values: torch.Tensor, *, kernel: bool = False) -> DecodeBatch:
+        """From one-token ``segments`` and ``values``, :meth:`host_values` on the device (no sync); ``kernel``:
+        attend with the Triton slot kernel."""
         if any(s.length != 1 for s in segments):
             raise ValueError("a DecodeBatch holds one-token segments only")
         rows, slots, kv_lengths = values.view(3, len(segments))
@@ -108,7 +111,7 @@ class DecodeBatch:
         if any(s.kv_length != max_kv_length for s in segments):
             mask = (key_pos <= last)[:, None, None, :]  # (B, 1, 1, Lmax)
         in_order = all(s.offset == i for i, s in enumerate(segments))
-        return cls(rows, slots, torch.minimum(key_pos, last), mask, max_kv_length, in_order)
+        return cls(rows, slots, torch.minimum(key_pos, last), mask, max_kv_length, in_order, kv_lengths, kernel)
 
     def gather(self, cache: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The padded keys and values of the batch, ``(B, kv_heads, Lmax, head_dim)`` each."""
@@ -164,6 +167,13 @@ def attend_segment(query: torch.Tensor, zspeed: LayerAttention, seg: Segment,
 def attend_decodes(query: torch.Tensor, zspeed: LayerAttention, scaling: float | None) -> torch.Tensor:
     """All one-token segments in one call: ``(B, heads, head_dim)``, in the order of ``decode.rows``."""
     decode = zspeed.decode
+    if decode.kernel:  # one launch instead of the gather, reshapes and SDPA below
+        from zspeed.kernels.decode_attention import slot_decode_attention
+
+        layer = zspeed.layer
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return slot_decode_attention(query[0], zspeed.cache.keys[layer], zspeed.cache.values[layer], decode.slots,
+                                     decode.lengths, decode.rows, scale)
     keys, values = decode.gather(zspeed.cache, zspeed.layer)  # (B, kvH, Lmax, D) each
     batch, kv_heads, _, dim = keys.shape
     heads = query.shape[1]

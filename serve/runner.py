@@ -70,10 +70,17 @@ class ModelRunner:
         graphs: run resident layers as CUDA graphs around eager attention ([Note: piecewise graphs]):
             None (default) where the device is CUDA, the layers resident and of a Llama-family kind;
             True also elsewhere (without CUDA the split runs eagerly: for tests); False never.
+        decode_attention: ``"sdpa"`` (default) or ``"triton"``: the decode tokens' attention in one Triton
+            kernel over the cache ([Note: slot decode attention] in zspeed.kernels.decode_attention; on a CPU
+            only under ``TRITON_INTERPRET=1``).
     """
 
     def __init__(self, model: LoadedModel, *, max_batch_size: int, max_model_len: int,
-                 observer: RunnerObserver | None = None, graphs: bool | None = None) -> None:
+                 observer: RunnerObserver | None = None, graphs: bool | None = None,
+                 decode_attention: str = "sdpa") -> None:
+        if decode_attention not in ("sdpa", "triton"):
+            raise ValueError(f"decode_attention must be 'sdpa' or 'triton', got {decode_attention!r}")
+        self._decode_kernel = decode_attention == "triton"
         desc = model.description
         limit = min(desc.max_position_embeddings, desc.sliding_window or desc.max_position_embeddings)
         if max_model_len > limit:
@@ -164,7 +171,7 @@ class ModelRunner:
         chunks = tuple(seg for seg in plan.segments if seg.length > 1)  # attended one at a time
         decodes = tuple(seg for seg in plan.segments if seg.length == 1)  # attended together
         ids, positions, slots, rows, decode_values = self._inputs(plan, decodes)
-        decode = DecodeBatch.build(decodes, decode_values) if decodes else None
+        decode = DecodeBatch.build(decodes, decode_values, kernel=self._decode_kernel) if decodes else None
         masks = tuple(chunk_mask(seg, self.device.device) for seg in chunks)  # once per step, not per layer
         hidden = self.model.embed(ids)  # (1, N, hidden)
         rotary = self.model.rotary(hidden, positions)  # cos, sin: (1, N, head_dim) each

@@ -89,7 +89,31 @@ def test_layers_split_around_attention_match_hf_generate(tiny_dir, reference, mo
     sp = SamplingParams(max_new_tokens=3)
     first = small.step(SchedulerOutput(step=1, prefills=(PrefillChunk(0, tuple(PROMPTS[1]), 0, True, sp),)))
     second = small.step(SchedulerOutput(step=2, decodes=(DecodeItem(0, first.new_token_ids[0][0], 37, sp),)))
-    assert runs == [1] and [first.new_token_ids[0][0], second.new_token_ids[0][0]] == list(reference.greedy(PROMPTS[1], 2))
+    tokens = [first.new_token_ids[0][0], second.new_token_ids[0][0]]
+    assert runs == [1] and tokens == list(reference.greedy(PROMPTS[1], 2))
+
+
+@pytest.mark.parametrize("graphs", [None, True], ids=["layers", "split"])
+def test_triton_decode_attention_matches_hf_generate(tiny_dir, reference, monkeypatch, graphs):
+    """decode_attention="triton" ([Note: slot decode attention], the Triton interpreter on a CPU): decodes
+    mixed with prompt chunks, batched, give HF's greedy outputs."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from zspeed.kernels import decode_attention as kernel
+
+    calls = []
+    monkeypatch.setattr(kernel, "slot_decode_attention",
+                        lambda *a, _f=kernel.slot_decode_attention, **k: calls.append(a[4].shape[0]) or _f(*a, **k))
+    model = load_tiny(tiny_dir)
+    runner = ModelRunner(model, max_batch_size=4, max_model_len=256, graphs=graphs, decode_attention="triton")
+    config = SchedulerConfig(max_batch_size=4, max_num_batched_tokens=16, max_model_len=256,
+                             eos_token_ids=frozenset(model.description.eos_token_ids))
+    with EngineLoop(Scheduler(config, kv_capacity=runner.kv_capacity), runner) as engine:
+        results = generate_all(engine, PROMPTS)
+    for prompt, result in zip(PROMPTS, results):
+        assert result.token_ids == reference.greedy(prompt), f"prompt of {len(prompt)} tokens"
+    assert max(calls) == 4, "the kernel attended batches of decodes"
+    with pytest.raises(ValueError, match="decode_attention"):
+        ModelRunner(model, max_batch_size=1, max_model_len=64, decode_attention="flash")
 
 
 def test_layers_that_do_not_split_are_refused(tiny_dir):
