@@ -215,7 +215,7 @@ def offline_run(model, args, *, batch: int) -> dict:
     """B requests admitted at once through the engine loop, after a warm-up of the same shapes."""
     max_model_len = args.prompt_len + args.new_tokens + 8
     runner = TimedRunner(ModelRunner(model, max_batch_size=batch, max_model_len=max_model_len,
-                                     decode_attention=args.decode_attention))
+                                     attention_kernel=args.attention_kernel))
     config = scheduler_config(batch=batch, budget=args.max_num_batched_tokens, max_model_len=max_model_len,
                               queue=batch)
     vocab = model.description.vocab_size
@@ -308,7 +308,7 @@ def start_server(args, *, batch: int, offload: str, nvme_path: str | None = None
         cmd += ["--step-log", args.step_log]
     if args.max_prefill_tokens_per_step:
         cmd += ["--max-prefill-tokens-per-step", str(args.max_prefill_tokens_per_step)]
-    cmd += ["--decode-attention", args.decode_attention]
+    cmd += ["--attention-kernel", args.attention_kernel]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:
         sys.stderr.write("[zserve] " + line)
@@ -397,7 +397,7 @@ async def load_session(port: int, args, *, batch: int, offline_tps: float | None
     base = {"bench": "load", "preset": args.preset, "layers": num_layers(args), "offload": args.offload,
             "batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
             "budget_tokens": max(args.max_num_batched_tokens, batch), "engine_process": args.engine_process,
-            "prefill_cap": args.max_prefill_tokens_per_step, "decode_attention": args.decode_attention}
+            "prefill_cap": args.max_prefill_tokens_per_step, "attention_kernel": args.attention_kernel}
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = serve_pb2_grpc.GenerationServiceStub(channel)
         await open_loop(stub, serve_pb2, rate=None, n=batch, args=args, vocab=vocab, new_tokens=3, seed=1)  # warm-up
@@ -601,7 +601,7 @@ def cmd_summary(args) -> None:
     for r in by("load"):
         tag = (f"{'engine process' if r.get('engine_process', True) else 'one process'}, budget {r['budget_tokens']}"
                + (f", prefill cap {r['prefill_cap']}" if r.get("prefill_cap") else "")
-               + (f", {r['decode_attention']} decode attention" if r.get("decode_attention", "sdpa") != "sdpa" else ""))
+               + (f", {r['attention_kernel']} attention" if r.get("attention_kernel", "sdpa") != "sdpa" else ""))
         if r.get("requests_done", 0) == 0:
             print(f"SUMMARY (c) load rate {r.get('rate_rps')}: no request completed ({r.get('errors')} errors)")
         elif r.get("saturation"):
@@ -614,7 +614,8 @@ def cmd_summary(args) -> None:
         else:
             frac = r["rate_rps"] / r["saturation_rps"] if r.get("saturation_rps") else float("nan")
             print(f"SUMMARY (c) load [{tag}] rate {r['rate_rps']:.2f} req/s ({frac:.2f} of saturation, "
-                  f"{r['requests_done']} requests after {r.get('rate_warmups', 0)} warm-up passes, {r['tokens_per_s']:.1f} tok/s): "
+                  f"{r['requests_done']} requests after {r.get('rate_warmups', 0)} warm-up passes, "
+                  f"{r['tokens_per_s']:.1f} tok/s): "
                   f"TTFT p50/p99 {r['ttft_p50_s']:.3f}/"
                   f"{r['ttft_p99_s']:.3f} s; "
                   f"ITL p50/p99 {r['itl_p50_s'] * 1e3:.1f}/{r['itl_p99_s'] * 1e3:.1f} ms = "
@@ -688,8 +689,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-offline", action="store_true", help="load: do not measure the offline throughput")
     p.add_argument("--max-prefill-tokens-per-step", type=int, help="load: zserve's cap on prompt tokens per step "
                    "while sequences decode")
-    p.add_argument("--decode-attention", choices=("sdpa", "triton"), default="sdpa",
-                   help="offline runner and zserve: decode attention through SDPA or the Triton slot kernel")
+    p.add_argument("--attention-kernel", choices=("sdpa", "triton"), default="sdpa",
+                   help="offline runner and zserve: attention through SDPA or the Triton slot kernel")
     p.add_argument("--step-log", help="load: zserve appends a JSON line per step here (rows carry t_start/t_end "
                    "on the same monotonic clock, to tell the passes apart)")
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,

@@ -72,7 +72,7 @@ serve_section() {  # SERVE_DRY=1: the same steps on the CPU with the tiny preset
         for attn in ${LOAD_ATTNS:-sdpa}; do
           serve_step c-load 150 ${pyenv[@]+"${pyenv[@]}"} python3 $B load "${big[@]}" --offload none --batch 1 32 \
             "${load_lens[@]}" --requests 64 --rate-fractions 0.5 0.8 --max-seconds 12 \
-            --max-num-batched-tokens $budget --max-prefill-tokens-per-step $cap --decode-attention $attn \
+            --max-num-batched-tokens $budget --max-prefill-tokens-per-step $cap --attention-kernel $attn \
             --step-log "$OUT/steps-$mode-$budget-$cap-$attn.jsonl" $([[ $mode == inproc ]] && echo --no-engine-process)
         done
       done

@@ -61,7 +61,7 @@ def copy_gaps(prof, layers: int) -> None:
 
 def check(model, batch: int, prompt_len: int, steps: int, chunk: int = 32) -> None:
     """Greedy tokens of ``batch`` different prompts, ``steps`` each: with graphs, without, with graphs and the
-    prompts fed in ``chunk``-token pieces, and with graphs and the Triton decode attention; how many differ
+    prompts fed in ``chunk``-token pieces, and with graphs and the Triton attention kernel; how many differ
     from the first."""
     sp = SamplingParams()
     vocab = model.description.vocab_size
@@ -69,7 +69,7 @@ def check(model, batch: int, prompt_len: int, steps: int, chunk: int = 32) -> No
     outputs = {}
     for mode in ("graphs", "eager", "chunked", "triton"):
         runner = ModelRunner(model, max_batch_size=batch, max_model_len=prompt_len + steps + 1,
-                             graphs=mode != "eager", decode_attention="triton" if mode == "triton" else "sdpa")
+                             graphs=mode != "eager", attention_kernel="triton" if mode == "triton" else "sdpa")
         pieces = [(0, prompt_len)] if mode != "chunked" else \
             [(a, min(a + chunk, prompt_len)) for a in range(0, prompt_len, chunk)]
         for k, (a, b) in enumerate(pieces):
@@ -117,8 +117,8 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=3)
     ap.add_argument("--graphs", choices=("auto", "on", "off"), default="auto",
                     help="the runner's piecewise CUDA graphs ([Note: piecewise graphs]); auto: where supported")
-    ap.add_argument("--decode-attention", choices=("sdpa", "triton"), default="sdpa",
-                    help="the runner's decode attention (the timed runs; --check compares both)")
+    ap.add_argument("--attention-kernel", choices=("sdpa", "triton"), default="sdpa",
+                    help="the runner's attention (the timed runs; --check compares both)")
     ap.add_argument("--check", type=int, default=0, help="first generate this many greedy tokens per sequence "
                     "at the largest batch with graphs and without, and count where they differ")
     ap.add_argument("--series", type=int, default=0, help="also time this many single decode steps in a row at "
@@ -133,7 +133,7 @@ def main() -> None:
     if args.check:
         check(model, max(args.batch), args.prompt_len, args.check)
     for batch in args.batch:
-        runner = ModelRunner(model, max_batch_size=batch + 1, graphs=graphs, decode_attention=args.decode_attention,
+        runner = ModelRunner(model, max_batch_size=batch + 1, graphs=graphs, attention_kernel=args.attention_kernel,
                              max_model_len=args.prompt_len + 64 + args.series + 4 * args.repeat)
         prompt = tuple(range(1, args.prompt_len + 1))
         runner.step(SchedulerOutput(step=0, prefills=tuple(PrefillChunk(i, prompt, 0, True, sp)

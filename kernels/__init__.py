@@ -9,9 +9,9 @@ custom op              launcher (Triton)           reference
 ``zspeed::sparse24_w4a16_mm``  :func:`sparse24_w4a16_matmul`  :func:`sparse24_w4a16_ref`
 =====================  ==========================  ===========================
 
-Serving's decode attention over the slot KV cache is one Triton kernel too
-(:func:`slot_decode_attention`, reference :func:`slot_decode_attention_ref`;
-[Note: slot decode attention]); it is called directly, not through a custom op.
+Serving's attention over the slot KV cache is one Triton kernel too
+(:func:`slot_attention`, reference :func:`slot_attention_ref`; [Note: slot
+attention kernel]); it is called directly, not through a custom op.
 
 The custom ops run Triton on CUDA tensors and the reference on any other device,
 and have fake implementations, so ``torch.compile`` traces through them. Which
@@ -19,7 +19,7 @@ Triton path runs (split-K, tiled, dequantize + cuBLAS) is set by
 :class:`KernelPolicy` (see ``dispatch``).
 """
 from ._runtime import HAS_TRITON, interpreting
-from .decode_attention import slot_decode_attention, slot_decode_attention_ref
+from .attention import attention_work, slot_attention, slot_attention_ref
 from .dispatch import KernelPolicy, kernel_policy, set_kernel_policy
 from .sparse24 import sparse24_matmul, sparse24_mm, sparse24_ref
 from .sparse24_w4a16 import sparse24_w4a16_matmul, sparse24_w4a16_mm, sparse24_w4a16_ref
@@ -31,5 +31,5 @@ __all__ = [
     "w8a16_matmul", "w8a16_mm", "w8a16_ref", "w4a16_matmul", "w4a16_mm", "w4a16_ref",
     "sparse24_matmul", "sparse24_mm", "sparse24_ref",
     "sparse24_w4a16_matmul", "sparse24_w4a16_mm", "sparse24_w4a16_ref",
-    "slot_decode_attention", "slot_decode_attention_ref",
+    "attention_work", "slot_attention", "slot_attention_ref",
 ]

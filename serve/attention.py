@@ -88,8 +88,6 @@ class DecodeBatch:
     mask: torch.Tensor | None
     max_kv_length: int
     in_order: bool = False  # the segments are rows 0 .. B-1 of the packed row, in order
-    lengths: torch.Tensor | None = None  # (B,) each one's start + 1
-    kernel: bool = False  # attend with the Triton slot kernel ([Note: slot decode attention]), not SDPA
 
     @staticmethod
     def host_values(segments: tuple[Segment, ...]) -> list[int]:
@@ -98,9 +96,8 @@ class DecodeBatch:
         return [s.offset for s in segments] + [s.slot for s in segments] + [s.kv_length for s in segments]
 
     @classmethod
-    def build(cls, segments: tuple[Segment, ...], values: torch.Tensor, *, kernel: bool = False) -> DecodeBatch:
-        """From one-token ``segments`` and ``values``, :meth:`host_values` on the device (no sync); ``kernel``:
-        attend with the Triton slot kernel."""
+    def build(cls, segments: tuple[Segment, ...], values: torch.Tensor) -> DecodeBatch:
+        """From one-token ``segments`` and ``values``, :meth:`host_values` on the device (no sync)."""
         if any(s.length != 1 for s in segments):
             raise ValueError("a DecodeBatch holds one-token segments only")
         rows, slots, kv_lengths = values.view(3, len(segments))
@@ -111,7 +108,7 @@ class DecodeBatch:
         if any(s.kv_length != max_kv_length for s in segments):
             mask = (key_pos <= last)[:, None, None, :]  # (B, 1, 1, Lmax)
         in_order = all(s.offset == i for i, s in enumerate(segments))
-        return cls(rows, slots, torch.minimum(key_pos, last), mask, max_kv_length, in_order, kv_lengths, kernel)
+        return cls(rows, slots, torch.minimum(key_pos, last), mask, max_kv_length, in_order)
 
     def gather(self, cache: KVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The padded keys and values of the batch, ``(B, kv_heads, Lmax, head_dim)`` each."""
@@ -135,6 +132,10 @@ class LayerAttention:
     token_positions: torch.Tensor
     decode: DecodeBatch | None = None
     masks: tuple[torch.Tensor | None, ...] | None = None  # chunk_mask of each segment, made once per step
+    # With the Triton slot attention kernel (zspeed.kernels.attention): every segment's work items on the
+    # device, cut at ``work_block_m`` rows; then nothing above is used.
+    work: torch.Tensor | None = None
+    work_block_m: int = 1
 
     @property
     def max_kv_length(self) -> int:
@@ -167,13 +168,6 @@ def attend_segment(query: torch.Tensor, zspeed: LayerAttention, seg: Segment,
 def attend_decodes(query: torch.Tensor, zspeed: LayerAttention, scaling: float | None) -> torch.Tensor:
     """All one-token segments in one call: ``(B, heads, head_dim)``, in the order of ``decode.rows``."""
     decode = zspeed.decode
-    if decode.kernel:  # one launch instead of the gather, reshapes and SDPA below
-        from zspeed.kernels.decode_attention import slot_decode_attention
-
-        layer = zspeed.layer
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return slot_decode_attention(query[0], zspeed.cache.keys[layer], zspeed.cache.values[layer], decode.slots,
-                                     decode.lengths, decode.rows, scale)
     keys, values = decode.gather(zspeed.cache, zspeed.layer)  # (B, kvH, Lmax, D) each
     batch, kv_heads, _, dim = keys.shape
     heads = query.shape[1]
@@ -208,6 +202,14 @@ def slot_attention(
         raise NotImplementedError(f"sequences longer than the sliding window ({sliding_window}) are not supported")
     # every sequence's new keys and values at once; attention below reads each sequence's own slot only
     zspeed.cache.write_tokens(zspeed.layer, zspeed.token_slots, zspeed.token_positions, key[0], value[0])
+    if zspeed.work is not None:  # one launch for all segments ([Note: slot attention kernel])
+        from zspeed.kernels.attention import slot_attention as kernel
+
+        layer = zspeed.layer
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = kernel(query[0], zspeed.cache.keys[layer], zspeed.cache.values[layer], zspeed.work, scale,
+                     block_m=zspeed.work_block_m)
+        return out[None], None
     decode = zspeed.decode
     if not zspeed.segments and decode is not None:  # only one-token segments: they tile the row in order
         return attend_decodes(query, zspeed, scaling)[None], None

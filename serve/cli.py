@@ -78,9 +78,9 @@ def _serve_parser() -> argparse.ArgumentParser:
     b.add_argument("--drain-timeout", type=float, default=300.0, help="seconds SIGTERM waits for requests")
     b.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="run resident decoder layers as CUDA graphs around attention (default: where supported)")
-    b.add_argument("--decode-attention", choices=("sdpa", "triton"), default="sdpa",
-                   help="decode tokens' attention: torch SDPA over a gathered batch, or one Triton kernel over "
-                        "the KV cache (not yet measured on a GPU)")
+    b.add_argument("--attention-kernel", choices=("sdpa", "triton"), default="sdpa",
+                   help="attention: torch SDPA per prompt chunk and over a gathered batch of decodes, or one "
+                        "Triton kernel per layer over the KV cache (not yet measured on a GPU)")
     b.add_argument("--step-log", help="append one JSON line per engine step to this file (for diagnosis)")
     b.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the model in a process of its own, apart from the gRPC threads (default: yes)")
@@ -154,7 +154,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_prompt_tokens=args.max_prompt_tokens,
         max_new_tokens=args.max_new_tokens, default_max_new_tokens=args.default_max_new_tokens,
         max_message_bytes=args.max_message_bytes, drain_timeout_s=args.drain_timeout, step_log=args.step_log,
-        cuda_graphs=args.cuda_graphs, decode_attention=args.decode_attention,
+        cuda_graphs=args.cuda_graphs, attention_kernel=args.attention_kernel,
     )
     load_config = LoadConfig(
         model=args.model, random_weights=args.random_weights, random_weights_dir=args.random_weights_dir,

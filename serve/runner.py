@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from zspeed.kernels.attention import BLOCK_M as ATTENTION_BLOCK_M
+from zspeed.kernels.attention import attention_work
 
 from .attention import DecodeBatch, LayerAttention, Segment, chunk_mask
 from .kv_cache import KVCache, KVCacheConfig
@@ -70,17 +73,17 @@ class ModelRunner:
         graphs: run resident layers as CUDA graphs around eager attention ([Note: piecewise graphs]):
             None (default) where the device is CUDA, the layers resident and of a Llama-family kind;
             True also elsewhere (without CUDA the split runs eagerly: for tests); False never.
-        decode_attention: ``"sdpa"`` (default) or ``"triton"``: the decode tokens' attention in one Triton
-            kernel over the cache ([Note: slot decode attention] in zspeed.kernels.decode_attention; on a CPU
-            only under ``TRITON_INTERPRET=1``).
+        attention_kernel: ``"sdpa"`` (default) or ``"triton"``: each layer's attention (decode tokens and
+            prompt chunks) in one Triton kernel over the cache ([Note: slot attention kernel] in
+            zspeed.kernels.attention; on a CPU only under ``TRITON_INTERPRET=1``).
     """
 
     def __init__(self, model: LoadedModel, *, max_batch_size: int, max_model_len: int,
                  observer: RunnerObserver | None = None, graphs: bool | None = None,
-                 decode_attention: str = "sdpa") -> None:
-        if decode_attention not in ("sdpa", "triton"):
-            raise ValueError(f"decode_attention must be 'sdpa' or 'triton', got {decode_attention!r}")
-        self._decode_kernel = decode_attention == "triton"
+                 attention_kernel: str = "sdpa") -> None:
+        if attention_kernel not in ("sdpa", "triton"):
+            raise ValueError(f"attention_kernel must be 'sdpa' or 'triton', got {attention_kernel!r}")
+        self._attention_kernel = attention_kernel == "triton"
         desc = model.description
         limit = min(desc.max_position_embeddings, desc.sliding_window or desc.max_position_embeddings)
         if max_model_len > limit:
@@ -168,33 +171,45 @@ class ModelRunner:
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
         """Hidden states ``(S, hidden)`` of the rows that are sampled."""
-        chunks = tuple(seg for seg in plan.segments if seg.length > 1)  # attended one at a time
-        decodes = tuple(seg for seg in plan.segments if seg.length == 1)  # attended together
-        ids, positions, slots, rows, decode_values = self._inputs(plan, decodes)
-        decode = DecodeBatch.build(decodes, decode_values, kernel=self._decode_kernel) if decodes else None
-        masks = tuple(chunk_mask(seg, self.device.device) for seg in chunks)  # once per step, not per layer
+        if self._attention_kernel:  # every segment in one launch per layer ([Note: slot attention kernel])
+            block_m = 1 if all(seg.length == 1 for seg in plan.segments) else ATTENTION_BLOCK_M
+            work_items = attention_work(((seg.slot, seg.start, seg.offset, seg.length) for seg in plan.segments),
+                                        block_m)
+            ids, positions, slots, rows, work = self._inputs(plan, (), extra=work_items)
+            chunks, decode, masks = (), None, ()
+        else:
+            chunks = tuple(seg for seg in plan.segments if seg.length > 1)  # attended one at a time
+            decodes = tuple(seg for seg in plan.segments if seg.length == 1)  # attended together
+            ids, positions, slots, rows, decode_values = self._inputs(plan, decodes)
+            decode = DecodeBatch.build(decodes, decode_values) if decodes else None
+            masks = tuple(chunk_mask(seg, self.device.device) for seg in chunks)  # once per step, not per layer
+            work, block_m = None, 1
         hidden = self.model.embed(ids)  # (1, N, hidden)
         rotary = self.model.rotary(hidden, positions)  # cos, sin: (1, N, head_dim) each
         token_positions = positions[0]  # (N,)
+
+        def attention(i: int) -> LayerAttention:
+            return LayerAttention(self.cache, i, chunks, slots, token_positions, decode, masks, work, block_m)
+
         if self._pieces is not None and self._pieces.fits(len(plan.token_ids)):
-            hidden = self._pieces.run(hidden, rotary, lambda i: LayerAttention(self.cache, i, chunks, slots,
-                                                                               token_positions, decode, masks))
+            hidden = self._pieces.run(hidden, rotary, attention)
             return hidden[0].index_select(0, rows)  # (S, hidden)
         layers = self.model.layers
         for i in range(len(layers)):
             layer = layers.acquire(i)
             try:
                 out = layer(hidden, attention_mask=None, position_ids=positions, position_embeddings=rotary,
-                            zspeed=LayerAttention(self.cache, i, chunks, slots, token_positions, decode, masks))
+                            zspeed=attention(i))
                 hidden = out[0] if isinstance(out, tuple) else out  # transformers < 5 returns a tuple
             finally:
                 layers.release(i)
         return hidden[0].index_select(0, rows)  # (S, hidden)
 
-    def _inputs(self, plan: StepPlan, decodes: tuple[Segment, ...]
+    def _inputs(self, plan: StepPlan, decodes: tuple[Segment, ...], extra: Sequence[int] = ()
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Token ids ``(1, N)``, positions ``(1, N)``, cache slots ``(N,)``, sampled rows ``(S,)`` and
-        :meth:`DecodeBatch.host_values` of the one-token ``decodes`` ``(3B,)`` on the device.
+        :meth:`DecodeBatch.host_values` of the one-token ``decodes`` ``(3B,)`` followed by ``extra``, on the
+        device.
 
         One non-blocking copy from pinned memory: ``torch.tensor(..., device=cuda)``
         would synchronise the stream, once per tensor, and the sampled rows'
@@ -202,7 +217,7 @@ class ModelRunner:
         """
         n, s = len(plan.token_ids), len(plan.sample_rows)
         values = torch.tensor([*plan.token_ids, *plan.positions, *plan.slots, *plan.sample_rows,
-                               *DecodeBatch.host_values(decodes)], dtype=torch.long)
+                               *DecodeBatch.host_values(decodes), *extra], dtype=torch.long)
         host = self.device.pinned_empty(values.shape, dtype=torch.long).copy_(values)
         inputs = host.to(self.device.device, non_blocking=True)
         return (inputs[:n][None], inputs[n:2 * n][None], inputs[2 * n:3 * n], inputs[3 * n:3 * n + s],

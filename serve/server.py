@@ -61,7 +61,7 @@ class ServerConfig:
     refused ``RESOURCE_EXHAUSTED`` by gRPC itself. ``step_log`` appends one JSON
     line per engine step to that file (what ran, how long the runner took).
     ``cuda_graphs`` is the runner's ``graphs`` ([Note: piecewise graphs]; None:
-    where supported), ``decode_attention`` its ``decode_attention``.
+    where supported), ``attention_kernel`` its ``attention_kernel``.
     """
 
     host: str = "127.0.0.1"
@@ -85,7 +85,7 @@ class ServerConfig:
     drain_timeout_s: float = 300.0
     step_log: str | None = None
     cuda_graphs: bool | None = None
-    decode_attention: str = "sdpa"
+    attention_kernel: str = "sdpa"
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -272,7 +272,7 @@ def build_engine(model: LoadedModel, config: ServerConfig, *, observer: ServeMet
     max_model_len = config.max_model_len or min(desc.max_position_embeddings, desc.sliding_window or 1 << 62,
                                                  _DEFAULT_MAX_MODEL_LEN)
     runner = ModelRunner(model, max_batch_size=config.max_batch_size, max_model_len=max_model_len, observer=observer,
-                         graphs=config.cuda_graphs, decode_attention=config.decode_attention)
+                         graphs=config.cuda_graphs, attention_kernel=config.attention_kernel)
     scheduler = Scheduler(
         SchedulerConfig(max_batch_size=config.max_batch_size, max_num_batched_tokens=config.max_num_batched_tokens,
                         max_queue_size=config.max_queue_size, max_queue_delay_ms=config.max_queue_delay_ms,

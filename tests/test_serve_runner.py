@@ -94,26 +94,26 @@ def test_layers_split_around_attention_match_hf_generate(tiny_dir, reference, mo
 
 
 @pytest.mark.parametrize("graphs", [None, True], ids=["layers", "split"])
-def test_triton_decode_attention_matches_hf_generate(tiny_dir, reference, monkeypatch, graphs):
-    """decode_attention="triton" ([Note: slot decode attention], the Triton interpreter on a CPU): decodes
-    mixed with prompt chunks, batched, give HF's greedy outputs."""
+def test_triton_slot_attention_matches_hf_generate(tiny_dir, reference, monkeypatch, graphs):
+    """attention_kernel="triton" ([Note: slot attention kernel], the Triton interpreter on a CPU): decodes and
+    prompt chunks, batched, each layer's attention in one launch, give HF's greedy outputs."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from zspeed.kernels import decode_attention as kernel
+    from zspeed.kernels import attention as kernel
 
     calls = []
-    monkeypatch.setattr(kernel, "slot_decode_attention",
-                        lambda *a, _f=kernel.slot_decode_attention, **k: calls.append(a[4].shape[0]) or _f(*a, **k))
+    monkeypatch.setattr(kernel, "slot_attention",
+                        lambda *a, _f=kernel.slot_attention, **k: calls.append(k["block_m"]) or _f(*a, **k))
     model = load_tiny(tiny_dir)
-    runner = ModelRunner(model, max_batch_size=4, max_model_len=256, graphs=graphs, decode_attention="triton")
+    runner = ModelRunner(model, max_batch_size=4, max_model_len=256, graphs=graphs, attention_kernel="triton")
     config = SchedulerConfig(max_batch_size=4, max_num_batched_tokens=16, max_model_len=256,
                              eos_token_ids=frozenset(model.description.eos_token_ids))
     with EngineLoop(Scheduler(config, kv_capacity=runner.kv_capacity), runner) as engine:
         results = generate_all(engine, PROMPTS)
     for prompt, result in zip(PROMPTS, results):
         assert result.token_ids == reference.greedy(prompt), f"prompt of {len(prompt)} tokens"
-    assert max(calls) == 4, "the kernel attended batches of decodes"
-    with pytest.raises(ValueError, match="decode_attention"):
-        ModelRunner(model, max_batch_size=1, max_model_len=64, decode_attention="flash")
+    assert set(calls) == {1, kernel.BLOCK_M}, "decode-only steps and steps with prompt chunks"
+    with pytest.raises(ValueError, match="attention_kernel"):
+        ModelRunner(model, max_batch_size=1, max_model_len=64, attention_kernel="flash")
 
 
 def test_layers_that_do_not_split_are_refused(tiny_dir):
