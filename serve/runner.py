@@ -20,6 +20,7 @@ from typing import Protocol, Sequence
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from zspeed.kernels import interpreting
 from zspeed.kernels.attention import BLOCK_M as ATTENTION_BLOCK_M
 from zspeed.kernels.attention import attention_work
 
@@ -85,6 +86,10 @@ class ModelRunner:
             raise ValueError(f"attention_kernel must be 'sdpa' or 'triton', got {attention_kernel!r}")
         self._attention_kernel = attention_kernel == "triton"
         desc = model.description
+        if self._attention_kernel and model.device.device.type != "cuda" and not interpreting():
+            raise ValueError("attention_kernel='triton' needs a CUDA device (or TRITON_INTERPRET=1 on a CPU)")
+        if self._attention_kernel and desc.head_dim & (desc.head_dim - 1):
+            raise ValueError(f"attention_kernel='triton' needs a power-of-two head_dim, the model has {desc.head_dim}")
         limit = min(desc.max_position_embeddings, desc.sliding_window or desc.max_position_embeddings)
         if max_model_len > limit:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's {limit} positions"

@@ -114,6 +114,9 @@ def test_triton_slot_attention_matches_hf_generate(tiny_dir, reference, monkeypa
     assert set(calls) == {1, kernel.BLOCK_M}, "decode-only steps and steps with prompt chunks"
     with pytest.raises(ValueError, match="attention_kernel"):
         ModelRunner(model, max_batch_size=1, max_model_len=64, attention_kernel="flash")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        ModelRunner(model, max_batch_size=1, max_model_len=64, attention_kernel="triton")
 
 
 def test_layers_that_do_not_split_are_refused(tiny_dir):
