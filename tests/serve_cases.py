@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from pathlib import Path
 
@@ -103,3 +104,21 @@ def status_of(call):
     with pytest.raises(grpc.RpcError) as info:
         call()
     return info.value.code(), info.value.details()
+
+
+def check_concurrent_requests(client, reference) -> None:
+    """All prompts at once (a barrier), different lengths: each output equals HF's for that prompt alone."""
+    results: dict[int, object] = {}
+    barrier = threading.Barrier(len(PROMPTS))
+
+    def one(i: int) -> None:
+        barrier.wait()
+        results[i] = client.generate(PROMPTS[i], max_new_tokens=10 + 3 * i, ignore_eos=True)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for i, prompt in enumerate(PROMPTS):
+        assert results[i].token_ids == reference.greedy(prompt, 10 + 3 * i, ignore_eos=True), i

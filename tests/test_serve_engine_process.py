@@ -11,7 +11,7 @@ import threading
 import grpc
 import pytest
 
-from tests.serve_cases import PROMPTS, scrape, status_of, wait_until
+from tests.serve_cases import PROMPTS, check_concurrent_requests, scrape, status_of, wait_until
 from zspeed.serve import Client
 from zspeed.serve.errors import QueueFullError, RequestTooLongError
 from zspeed.serve.model_loader import LoadConfig
@@ -44,18 +44,7 @@ def test_results_streams_and_metrics_match_one_process(tiny_dir, reference):
             Client(f"127.0.0.1:{server.port}", timeout=60) as client:
         assert server.engine._process.pid != os.getpid() and server.engine.alive
         assert client.model_info().offload == "cpu" and client.health() == "SERVING"
-        results: dict[int, tuple[int, ...]] = {}
-
-        def one(i: int) -> None:
-            results[i] = client.generate(PROMPTS[i], max_new_tokens=10 + 3 * i, ignore_eos=True).token_ids
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        for i, prompt in enumerate(PROMPTS):
-            assert results[i] == reference.greedy(prompt, 10 + 3 * i, ignore_eos=True), f"prompt {i}"
+        check_concurrent_requests(client, reference)
         pieces = list(client.generate_stream(PROMPTS[3], max_new_tokens=12, ignore_eos=True))
         assert len(pieces) > 1 and pieces[-1].finish_reason == "length"
         assert tuple(t for p in pieces for t in p.token_ids) == reference.greedy(PROMPTS[3], 12, ignore_eos=True)

@@ -16,7 +16,7 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from tests.serve_cases import PROMPTS, load_tiny, scrape, status_of, wait_until
+from tests.serve_cases import PROMPTS, check_concurrent_requests, load_tiny, scrape, status_of, wait_until
 from zspeed.serve import Client
 from zspeed.serve._proto import serve_pb2, serve_pb2_grpc
 from zspeed.serve.cli import main as zserve_main
@@ -76,24 +76,6 @@ def test_generate_matches_hf(client, reference):
     assert result.token_ids == reference.greedy(PROMPTS[1], 24)
     assert result.finish_reason == "length"
     assert (result.prompt_tokens, result.completion_tokens) == (len(PROMPTS[1]), 24)
-
-
-def check_concurrent_requests(client, reference) -> None:
-    """All prompts at once, different lengths: each output equals HF's for that prompt alone."""
-    results: dict[int, object] = {}
-    barrier = threading.Barrier(len(PROMPTS))
-
-    def one(i: int) -> None:
-        barrier.wait()
-        results[i] = client.generate(PROMPTS[i], max_new_tokens=10 + 3 * i, ignore_eos=True)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    for i, prompt in enumerate(PROMPTS):
-        assert results[i].token_ids == reference.greedy(prompt, 10 + 3 * i, ignore_eos=True), i
 
 
 def test_concurrent_requests_of_different_lengths_match_hf(client, reference):
