@@ -306,7 +306,7 @@ def start_server(args, *, batch: int, offload: str, nvme_path: str | None = None
         cmd.append("--no-engine-process")
     if args.step_log:
         cmd += ["--step-log", args.step_log]
-    if args.max_prefill_tokens_per_step:
+    if args.max_prefill_tokens_per_step is not None:  # 0: no cap; unset: zserve's default
         cmd += ["--max-prefill-tokens-per-step", str(args.max_prefill_tokens_per_step)]
     cmd += ["--attention-kernel", args.attention_kernel]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
@@ -601,7 +601,7 @@ def cmd_summary(args) -> None:
     for r in by("load"):
         tag = (f"{'engine process' if r.get('engine_process', True) else 'one process'}, budget {r['budget_tokens']}"
                + (f", prefill cap {r['prefill_cap']}" if r.get("prefill_cap") else "")
-               + (f", {r['attention_kernel']} attention" if r.get("attention_kernel", "sdpa") != "sdpa" else ""))
+               + (f", {r['attention_kernel']} attention" if r.get("attention_kernel", "auto") != "auto" else ""))
         if r.get("requests_done", 0) == 0:
             print(f"SUMMARY (c) load rate {r.get('rate_rps')}: no request completed ({r.get('errors')} errors)")
         elif r.get("saturation"):
@@ -688,8 +688,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-seconds", type=float, default=30.0, help="load/nvme: stop arrivals (wait) after this")
     p.add_argument("--skip-offline", action="store_true", help="load: do not measure the offline throughput")
     p.add_argument("--max-prefill-tokens-per-step", type=int, help="load: zserve's cap on prompt tokens per step "
-                   "while sequences decode")
-    p.add_argument("--attention-kernel", choices=("sdpa", "triton"), default="sdpa",
+                   "while sequences decode (0: none; default: zserve's)")
+    p.add_argument("--attention-kernel", choices=("auto", "sdpa", "triton"), default="auto",
                    help="offline runner and zserve: attention through SDPA or the Triton slot kernel")
     p.add_argument("--step-log", help="load: zserve appends a JSON line per step here (rows carry t_start/t_end "
                    "on the same monotonic clock, to tell the passes apart)")

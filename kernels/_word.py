@@ -3,11 +3,15 @@
 Two paths, both for weights whose packed rows can be read as int32 words
 (:func:`word_view`; other shapes use the generic skeleton of ``_gemm``):
 
-- ``gemv`` (a few rows): one program per (row of ``x``, ``BLOCK_N`` weight rows,
-  slice of ``K``), multiply-and-add on the CUDA cores, no tensor cores. With one
-  slice the result is stored in ``x.dtype`` directly; with several, fp32 atomics
-  go into a zeroed buffer that is cast at the end (two more small kernels, which
-  is why splitting is only picked where it pays).
+- ``gemv`` (a few rows), multiply-and-add on the CUDA cores, no tensor cores, two
+  kernels tuned against each other. The tile kernel: one program per (row of ``x``,
+  ``BLOCK_N`` weight rows, slice of ``K``); with one slice the result is stored in
+  ``x.dtype`` directly; with several, fp32 atomics go into a zeroed buffer that is
+  cast at the end (two more small kernels, which is why splitting is only picked
+  where it pays). For INT8 / INT4, the x-stationary kernel
+  (``_stationary_kernels``, [Note: x-stationary GEMV]): one program per (row of
+  ``x``, slice of ``K``, run of weight rows), its slice of ``x`` held in registers
+  while weight rows stream past; slices meet in one launch.
 - ``wdot`` (INT8 / INT4, more rows): ``tl.dot`` per field plane.
 
 [Note: kernel tuning]
@@ -54,6 +58,8 @@ class WordConfig:
     prefetch: int = 1  # gemv: tiles loaded ahead ([Note: register prefetch] in _word_kernels)
     x2d: bool = False  # gemv: x planes loaded in the weight tile's shape ([Note: x layouts] in _word_kernels)
     xnat: bool = False  # gemv: x read in natural order, no plane-major copy (same note)
+    row_blocks: int = 0  # gemv: > 0 picks the x-stationary kernel, BLOCK_N-row blocks per program; block_w is
+    # then its slice of K in words and split_k the number of slices
 
 
 @functools.cache
@@ -61,6 +67,13 @@ def _kernels():
     from . import _word_kernels
 
     return _word_kernels
+
+
+@functools.cache
+def _stationary_kernels():
+    from . import _stationary_kernels
+
+    return _stationary_kernels
 
 
 @functools.cache
@@ -128,6 +141,45 @@ def gemv_candidates(fmt: int, m: int, n: int, kw: int, group: int, device: torch
         out += [WordConfig(1, bn, bw, sp, warps, prefetch=prefetch, x2d=x2d, xnat=xnat) for sp in sorted(splits)
                 for x2d, xnat in X_VARIANTS if tiles // sp >= 1]
     return out or [WordConfig(1, 16, _small_block_w(fmt, group, kw), 1, 4)]
+
+
+STATIONARY_TILES = ((4, 32, 4), (8, 16, 4), (2, 64, 4), (4, 64, 8), (8, 32, 8), (4, 16, 4), (2, 32, 4),
+                    (8, 8, 4))  # (groups (INT4) or 16-word units (INT8) per slice, BLOCK_N, warps): the first five
+# give a thread 128 INT4 codes per block (~3.2 instructions per code in the SASS, against ~3.9 at 64 codes), the
+# last three 64; none leaves a thread repeating another's work
+STATIONARY_WORKSPACE = 1 << 22  # fp32 partial sums (16 MiB) per device; slices x rows x N must fit
+
+
+def stationary_candidates(fmt: int, m: int, n: int, kw: int, group: int, device: torch.device) -> list[WordConfig]:
+    """x-stationary configs ([Note: x-stationary GEMV]): INT8, or INT4 with groups of a power-of-two number of
+    words."""
+    if fmt not in (FMT_W8, FMT_W4) or m > 8:
+        return []
+    if fmt == FMT_W4:
+        wg = group // CPW[fmt]
+        if group % CPW[fmt] or wg & (wg - 1) or kw % wg:
+            return []
+    else:
+        wg = 16
+    if interpreting() or device.type != "cuda":
+        units = 2 if kw > 2 * wg else 1
+        return [WordConfig(1, 4, units * wg, cdiv(kw, units * wg), 1, row_blocks=2)]
+    sms = _sm_count(device.index or 0)
+    out = []
+    for units, bn, warps in STATIONARY_TILES:
+        bw = units * wg
+        if bw >= 2 * kw:
+            continue
+        split = cdiv(kw, bw)
+        if split > 1 and m * split * n > STATIONARY_WORKSPACE:
+            continue
+        rb = 1  # the most row blocks per program that still leave ~4 programs per SM, and twice that (how many
+        while rb < 32 and m * split * cdiv(n, bn * rb * 2) >= 4 * sms:  # fit at once depends on registers:
+            rb *= 2  # the tuner sees which wave shape is faster)
+        out += [WordConfig(1, bn, bw, split, warps, row_blocks=r) for r in sorted({rb, min(32, 2 * rb)})]
+        if rb > 2:  # blocks two ahead in flight ([Note: register prefetch] in _word_kernels)
+            out.append(WordConfig(1, bn, bw, split, warps, prefetch=2, row_blocks=rb))
+    return out
 
 
 def wdot_candidates(fmt: int, m: int, n: int, kw: int, group: int, device: torch.device) -> list[WordConfig]:
@@ -202,12 +254,51 @@ def _out(m: int, n: int, x: torch.Tensor, split: int) -> torch.Tensor:
     return torch.zeros(m, n, device=x.device, dtype=torch.float32)
 
 
+_WORKSPACE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _stationary_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(partials, counters)`` of the x-stationary kernel on ``device``, made on first use outside a CUDA graph
+    capture (counters start at zero and every launch leaves them at zero); ``None`` while capturing before that."""
+    ws = _WORKSPACE.get(device)
+    if ws is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        ws = _WORKSPACE[device] = (torch.empty(STATIONARY_WORKSPACE, device=device, dtype=torch.float32),
+                                   torch.zeros(1 << 16, device=device, dtype=torch.int32))
+    return ws
+
+
+def run_stationary(x, words, s, z, c: WordConfig, *, fmt: int, group: int, n: int) -> torch.Tensor | None:
+    """The x-stationary kernel with config ``c``; ``None`` where its workspace cannot be made now (see above)."""
+    m, kw = x.shape[0], words.shape[1]
+    runs = cdiv(n, c.block_n * c.row_blocks)
+    ws = _stationary_workspace(x.device) if c.split_k > 1 else (x, words)
+    if ws is None or m * runs > ws[1].numel():
+        return None
+    wg = c.block_w if fmt == FMT_W8 else group // CPW[fmt]  # words per group (INT8: per slice, one "group")
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    _stationary_kernels().stationary_gemv_kernel[(m, c.split_k, runs)](
+        x, words, s, z if z is not None else s, ws[0], ws[1], out, m, n, kw, c.split_k,
+        x.stride(0), words.stride(0), s.stride(0) if s.dim() > 1 else 1, out.stride(0),
+        FMT=fmt, HAS_ZEROS=z is not None, G=c.block_w // wg, WG=wg, BLOCK_N=c.block_n, ROW_BLOCKS=c.row_blocks,
+        PARTIAL=c.split_k > 1, EVEN=kw % c.block_w == 0,
+        FIX_K=max(1, min(8, 2048 // (c.block_n * c.row_blocks))), DEPTH=c.prefetch,
+        num_warps=c.warps)
+    return out
+
+
 def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> torch.Tensor:
     m, kw = x.shape[0], words.shape[1]
     zz = z if z is not None else s
     mm = meta if meta is not None else words
 
     def launch(c: WordConfig) -> torch.Tensor:
+        if c.row_blocks:
+            out = run_stationary(x, words, s, z, c, fmt=fmt, group=group, n=n)
+            if out is not None:
+                return out
+            c = tiles[0]  # inside a CUDA graph capture before the workspace exists: the tile kernel
         xp = x if c.xnat else plane_major(x, CPW[fmt])
         out = _out(m, n, x, c.split_k)
         _kernels().gemv_kernel[(m, cdiv(n, c.block_n), c.split_k)](
@@ -221,7 +312,8 @@ def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
         return out if c.split_k == 1 else out.to(x.dtype)
 
     key = ("gemv", fmt, group, z is not None, m_bucket(m), n, k, x.dtype)
-    return launch(_pick(key, gemv_candidates(fmt, m, n, kw, group, x.device), launch))
+    tiles = gemv_candidates(fmt, m, n, kw, group, x.device)
+    return launch(_pick(key, tiles + stationary_candidates(fmt, m, n, kw, group, x.device), launch))
 
 
 def run_wdot(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> torch.Tensor:

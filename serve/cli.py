@@ -20,6 +20,20 @@ inter-token gap of every running request by as much). Frozen objects are still
 freed by reference counting; only cycles among them are never collected, and
 they live as long as the server anyway. Full collections then walk only what
 serving creates.
+
+[Note: GIL switch interval] With the engine in its own process, the gRPC
+process is all waiting threads: the pipe reader that receives each step's
+tokens and one thread per streaming call that sends them. A thread that wakes
+while another holds the GIL waits for it to be given up, and a busy holder is
+only asked to after ``sys.getswitchinterval()`` (5 ms by default): with a few
+dozen streams a token can queue behind several such waits. On the H100 (session
+5, Llama-8B, 0.8 of saturation) the engine's steps were even (period p99/p50
+1.1) while the gaps the client saw had a p99/p50 of 1.6. The gRPC process
+therefore asks for a hand-off every :data:`GIL_SWITCH_S` (0.5 ms): in the next
+runs the client's p99/p50 was 1.16-1.21 at 0.8 of saturation, and saturation
+stayed within run-to-run noise (0.94-0.99x offline; benchmarks/RESULTS.md,
+serving, session 5). The engine process keeps the default: its step loop is
+the one busy thread there.
 """
 from __future__ import annotations
 
@@ -68,8 +82,9 @@ def _serve_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget of one step")
     b.add_argument("--max-queue-size", type=int, default=64, help="waiting requests; beyond: RESOURCE_EXHAUSTED")
     b.add_argument("--max-queue-delay-ms", type=float, default=0.0, help="let a batch form for this long")
-    b.add_argument("--max-prefill-tokens-per-step", type=int,
-                   help="prompt tokens a step may feed while sequences decode (evens out inter-token gaps)")
+    b.add_argument("--max-prefill-tokens-per-step", type=int, default=96,
+                   help="prompt tokens a step may feed while sequences decode (evens out inter-token gaps; "
+                        "lifted while requests queue up); 0: no cap (default: 96)")
     b.add_argument("--max-model-len", type=int, help="prompt + output tokens (default: model's, at most 4096)")
     b.add_argument("--max-prompt-tokens", type=int, help="default: max-model-len - 1")
     b.add_argument("--max-new-tokens", type=int, default=2048, help="cap on a request's max_new_tokens")
@@ -78,9 +93,10 @@ def _serve_parser() -> argparse.ArgumentParser:
     b.add_argument("--drain-timeout", type=float, default=300.0, help="seconds SIGTERM waits for requests")
     b.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="run resident decoder layers as CUDA graphs around attention (default: where supported)")
-    b.add_argument("--attention-kernel", choices=("sdpa", "triton"), default="sdpa",
-                   help="attention: torch SDPA per prompt chunk and over a gathered batch of decodes, or one "
-                        "Triton kernel per layer over the KV cache (not yet measured on a GPU)")
+    b.add_argument("--attention-kernel", choices=("auto", "sdpa", "triton"), default="auto",
+                   help="attention: one Triton kernel per layer over the KV cache (triton), or torch SDPA per "
+                        "prompt chunk and over a gathered batch of decodes (sdpa); auto (default): triton on a "
+                        "CUDA device when the head size is a power of two, else sdpa")
     b.add_argument("--step-log", help="append one JSON line per engine step to this file (for diagnosis)")
     b.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the model in a process of its own, apart from the gRPC threads (default: yes)")
@@ -150,7 +166,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert, tls_key=args.tls_key, auth_token=args.auth_token or None,
         max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
         max_queue_size=args.max_queue_size, max_queue_delay_ms=args.max_queue_delay_ms,
-        max_prefill_tokens_per_step=args.max_prefill_tokens_per_step, max_model_len=args.max_model_len,
+        max_prefill_tokens_per_step=args.max_prefill_tokens_per_step or None, max_model_len=args.max_model_len,
         max_prompt_tokens=args.max_prompt_tokens,
         max_new_tokens=args.max_new_tokens, default_max_new_tokens=args.default_max_new_tokens,
         max_message_bytes=args.max_message_bytes, drain_timeout_s=args.drain_timeout, step_log=args.step_log,
@@ -172,6 +188,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         server = create_process_server(load_config, server_config)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: stop.set())
+        sys.setswitchinterval(GIL_SWITCH_S)
         try:
             freeze_startup_objects()
             server.start()
@@ -200,6 +217,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             server.stop(grace=5.0)
             return 1
     return 0 if server.drain() else 1
+
+
+GIL_SWITCH_S = 0.0005  # the gRPC process's GIL hand-off interval ([Note: GIL switch interval])
 
 
 def freeze_startup_objects() -> None:

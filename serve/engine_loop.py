@@ -269,7 +269,7 @@ class EngineLoop:
             self._runner.free(seq_id)
         if not batch.has_work:
             return True
-        started = time.monotonic()
+        started, cpu_started = time.monotonic(), time.thread_time()
         try:
             output = self._runner.step(batch)
         except Exception as exc:
@@ -278,18 +278,21 @@ class EngineLoop:
                 self._scheduler.abort_step(f"runner failed: {exc!r}")
                 self._deliver()
             return True
-        ran = time.monotonic()
+        ran, cpu_ran = time.monotonic(), time.thread_time()
         with self._cond:
             self._scheduler.update(output)
             self._deliver()
         if self._step_log is not None:
-            self._log_step(batch, started, ran, time.monotonic())
+            self._log_step(batch, started, ran, time.monotonic(), cpu_ran - cpu_started)
         return True
 
-    def _log_step(self, batch: SchedulerOutput, started: float, ran: float, done: float) -> None:
+    def _log_step(self, batch: SchedulerOutput, started: float, ran: float, done: float, runner_cpu: float) -> None:
+        """``runner_cpu_s``: CPU time of the engine thread inside the runner; far below ``runner_s``, the thread
+        waited (for the GPU, the GIL, or a CPU the OS gave to something else)."""
         record = {"step": batch.step, "t": round(started, 6), "batch": batch.batch_size,
                   "prefills": len(batch.prefills), "prefill_tokens": batch.num_prefill_tokens,
-                  "decodes": len(batch.decodes), "runner_s": round(ran - started, 6), "update_s": round(done - ran, 6)}
+                  "decodes": len(batch.decodes), "runner_s": round(ran - started, 6),
+                  "runner_cpu_s": round(runner_cpu, 6), "update_s": round(done - ran, 6)}
         self._step_log.write(json.dumps(record) + "\n")
 
     def _schedule_or_wait(self) -> SchedulerOutput | None:

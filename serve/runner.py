@@ -74,18 +74,24 @@ class ModelRunner:
         graphs: run resident layers as CUDA graphs around eager attention ([Note: piecewise graphs]):
             None (default) where the device is CUDA, the layers resident and of a Llama-family kind;
             True also elsewhere (without CUDA the split runs eagerly: for tests); False never.
-        attention_kernel: ``"sdpa"`` (default) or ``"triton"``: each layer's attention (decode tokens and
-            prompt chunks) in one Triton kernel over the cache ([Note: slot attention kernel] in
-            zspeed.kernels.attention; on a CPU only under ``TRITON_INTERPRET=1``).
+        attention_kernel: ``"triton"``: each layer's attention (decode tokens and prompt chunks) in one
+            Triton kernel over the cache ([Note: slot attention kernel] in zspeed.kernels.attention; on a
+            CPU only under ``TRITON_INTERPRET=1``); ``"sdpa"``: torch SDPA per prompt chunk and over a
+            gathered batch of decodes; ``"auto"`` (default): Triton on a CUDA device when the head size is a
+            power of two, SDPA elsewhere.
     """
 
     def __init__(self, model: LoadedModel, *, max_batch_size: int, max_model_len: int,
                  observer: RunnerObserver | None = None, graphs: bool | None = None,
-                 attention_kernel: str = "sdpa") -> None:
-        if attention_kernel not in ("sdpa", "triton"):
-            raise ValueError(f"attention_kernel must be 'sdpa' or 'triton', got {attention_kernel!r}")
-        self._attention_kernel = attention_kernel == "triton"
+                 attention_kernel: str = "auto") -> None:
+        if attention_kernel not in ("auto", "sdpa", "triton"):
+            raise ValueError(f"attention_kernel must be 'auto', 'sdpa' or 'triton', got {attention_kernel!r}")
         desc = model.description
+        if attention_kernel == "auto":
+            pow2 = desc.head_dim & (desc.head_dim - 1) == 0
+            attention_kernel = "triton" if model.device.device.type == "cuda" and pow2 else "sdpa"
+        self._attention_kernel = attention_kernel == "triton"
+        self.attention_kernel = attention_kernel  # what runs: "sdpa" or "triton"
         if self._attention_kernel and model.device.device.type != "cuda" and not interpreting():
             raise ValueError("attention_kernel='triton' needs a CUDA device (or TRITON_INTERPRET=1 on a CPU)")
         if self._attention_kernel and desc.head_dim & (desc.head_dim - 1):

@@ -75,7 +75,7 @@ class ServerConfig:
     max_num_batched_tokens: int = 2048
     max_queue_size: int = 64
     max_queue_delay_ms: float = 0.0
-    max_prefill_tokens_per_step: int | None = None
+    max_prefill_tokens_per_step: int | None = 96  # None: no cap ([Note: prefill cap default] in scheduler.py)
     max_model_len: int | None = None
     max_prompt_tokens: int | None = None
     max_new_tokens: int = 2048
@@ -85,7 +85,7 @@ class ServerConfig:
     drain_timeout_s: float = 300.0
     step_log: str | None = None
     cuda_graphs: bool | None = None
-    attention_kernel: str = "sdpa"
+    attention_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):

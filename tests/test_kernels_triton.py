@@ -7,6 +7,7 @@ already imported triton in compiled mode, the in-process tests cannot run the
 interpreter, so they are skipped and ``test_kernels_in_subprocess`` runs this
 same file in a fresh interpreter instead.
 """
+import dataclasses
 import os
 import subprocess
 import sys
@@ -178,6 +179,44 @@ def test_gemv_splits_k_and_matches_without_splitting(monkeypatch):
     ref = w4a16_ref(x, q.qweight, q.scales, q.zeros, 128)
     for out in outs:
         _close(out, ref, torch.bfloat16)
+
+
+@needs_interp
+@pytest.mark.parametrize("fmt,m,n,k,group,sym,dtype", [
+    ("w4", 1, 37, 256, 32, False, torch.float32), ("w4", 3, 50, 384, 64, True, torch.bfloat16),
+    ("w4", 2, 64, 1024, 128, False, torch.float16), ("w4", 1, 40, 128, 128, True, torch.bfloat16),
+    ("w8", 1, 45, 320, 0, True, torch.bfloat16), ("w8", 3, 24, 64, 0, True, torch.float32)])
+def test_stationary_gemv_matches_reference(fmt, m, n, k, group, sym, dtype):
+    """[Note: x-stationary GEMV]: odd N (a partial run of rows), K slices with a partial last one (320 = 2.5 slices
+    of 128 INT8 columns) or one slice (no partials), zero points or not; run twice, because the last program of
+    each run of rows must leave its counter at zero for the next launch."""
+    from zspeed.kernels import _word
+
+    x, w = _inputs(m, n, k, dtype, seed=7)
+    if fmt == "w4":
+        q = quantize_int4(w, group_size=group, symmetric=sym)
+        words, s, z, f = q.qweight.view(torch.int32), q.scales, q.zeros, _word.FMT_W4
+        ref = w4a16_ref(x, q.qweight, q.scales, q.zeros, group)
+    else:
+        q = quantize_int8(w)
+        words, s, z, f = q.qweight.view(torch.int32), q.scales, None, _word.FMT_W8
+        ref = w8a16_ref(x, q.qweight, q.scales)
+    (cfg,) = _word.stationary_candidates(f, m, n, words.shape[1], group, x.device)
+    assert (cfg.split_k > 1) == (k > 128), cfg
+    deep = dataclasses.replace(cfg, prefetch=2, row_blocks=4)  # two blocks in flight, runs of 16 rows
+    for c in (cfg, cfg, deep):
+        out = _word.run_stationary(x, words, s, z, c, fmt=f, group=group, n=n)
+        _close(out, ref, dtype)
+    if cfg.split_k > 1:
+        assert not _word._WORKSPACE[x.device][1].any(), "every counter back at zero"
+    scales = (2.0 ** 8, 2.0 ** -8) if dtype == torch.float16 else (2.0 ** 30, 2.0 ** -40)  # what fp16 can hold
+    for scale in scales:  # inside the range of [Note: subnormal codes]: the relative error does not grow
+        xs = (x.float() * scale).to(dtype)
+        ref_s = (w4a16_ref(xs, q.qweight, q.scales, q.zeros, group) if fmt == "w4" else
+                 w8a16_ref(xs, q.qweight, q.scales)).float()
+        out_s = _word.run_stationary(xs, words, s, z, cfg, fmt=f, group=group, n=n).float()
+        assert ((out_s - ref_s).abs().max() / ref_s.abs().max()).item() <= TOL[dtype], scale
+    assert _word.stationary_candidates(_word.FMT_S24, m, n, words.shape[1], group, x.device) == []
 
 
 def _run_in_subprocess():

@@ -306,6 +306,6 @@ def test_step_log_and_sink_mode(tmp_path):
     assert [t for e in events for t in e.token_ids] == reference([1, 2, 3], 4)
     steps = [json.loads(line) for line in log.read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3, 4] and steps[0]["prefill_tokens"] == 3
-    assert all(s["decodes"] == 1 and s["runner_s"] >= 0 for s in steps[1:])
+    assert all(s["decodes"] == 1 and s["runner_s"] >= 0 and s["runner_cpu_s"] >= 0 for s in steps[1:])
     with pytest.raises(RuntimeError, match="sink"):
         engine(FakeRunner()).enqueue(req("y", [1]))

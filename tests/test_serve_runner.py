@@ -117,6 +117,8 @@ def test_triton_slot_attention_matches_hf_generate(tiny_dir, reference, monkeypa
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(ValueError, match="needs a CUDA device"):
         ModelRunner(model, max_batch_size=1, max_model_len=64, attention_kernel="triton")
+    assert ModelRunner(model, max_batch_size=1, max_model_len=64).attention_kernel == "sdpa", "auto, no CUDA"
+    assert runner.attention_kernel == "triton"
 
 
 def test_layers_that_do_not_split_are_refused(tiny_dir):

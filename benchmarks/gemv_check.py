@@ -1,0 +1,85 @@
+"""The two GEMV kernels of the ``gemv`` path side by side at a few rows: tile vs x-stationary.
+
+    python benchmarks/gemv_check.py [--ms 1 4] [--shapes 8192x8192 8192x28672 28672x8192] [--json F]
+
+For each shape (K x N), format (INT4 g128 with zero points, INT8) and row count: checks both kernels
+against the reference, tunes each over its own candidates ([Note: kernel tuning] in kernels/_word.py),
+and prints the best time of each beside cuBLAS bf16 in the same process, as speed-ups over bf16
+(CUDA graphs, L2 flushed before each call: kernels/_runtime.py graph_time_ms).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from zspeed.compress import quantize_int4, quantize_int8
+from zspeed.kernels import _word, w4a16_ref, w8a16_ref
+from zspeed.kernels._runtime import graph_time_ms, m_bucket
+
+
+def _shape(text: str) -> tuple[int, int]:
+    k, n = text.lower().split("x")
+    return int(k), int(n)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ms", type=int, nargs="*", default=[1, 4])
+    p.add_argument("--shapes", type=_shape, nargs="*", default=[(8192, 8192), (8192, 28672), (28672, 8192)])
+    p.add_argument("--formats", nargs="*", default=["w4", "w8"], choices=["w4", "w8"])
+    p.add_argument("--json")
+    args = p.parse_args()
+    print(torch.cuda.get_device_name(), flush=True)
+    rows = []
+    for k, n in args.shapes:
+        w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
+        for fmt in args.formats:
+            if fmt == "w4":
+                q = quantize_int4(w, group_size=128, scale_dtype=torch.bfloat16)
+                f, s, z, group = _word.FMT_W4, q.scales, q.zeros, 128
+                ref_fn = lambda x, q=q: w4a16_ref(x, q.qweight, q.scales, q.zeros, 128)  # noqa: E731
+            else:
+                q = quantize_int8(w, scale_dtype=torch.bfloat16)
+                f, s, z, group = _word.FMT_W8, q.scales, None, 0
+                ref_fn = lambda x, q=q: w8a16_ref(x, q.qweight, q.scales)  # noqa: E731
+            words = q.qweight.view(torch.int32)
+            for m in args.ms:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                base = graph_time_ms(lambda: F.linear(x, w))
+                ref = ref_fn(x).float()
+                row = {"k": k, "n": n, "format": fmt, "m": m, "bf16_us": base * 1e3}
+                kinds = {"tile": _word.gemv_candidates(f, m, n, words.shape[1], group, x.device),
+                         "stationary": _word.stationary_candidates(f, m, n, words.shape[1], group, x.device)}
+                for kind, cands in kinds.items():
+                    def launch(c):
+                        if c.row_blocks:
+                            return _word.run_stationary(x, words, s, z, c, fmt=f, group=group, n=n)
+                        _word._BEST.clear()
+                        key = ("gemv", f, group, z is not None, m_bucket(m), n, k, x.dtype)
+                        _word._BEST[key] = c
+                        return _word.run_gemv(x, words, s, z, None, fmt=f, group=group, n=n, k=k)
+                    err = max(((launch(c).float() - ref).abs().max() / ref.abs().max()).item() for c in cands[:2])
+                    start = time.perf_counter()
+                    best = _word._fastest(cands, launch)
+                    tuning = time.perf_counter() - start
+                    ms = graph_time_ms(lambda: launch(best))
+                    err = max(err, ((launch(best).float() - ref).abs().max() / ref.abs().max()).item())
+                    row[f"{kind}_us"] = ms * 1e3
+                    row[f"{kind}_x"] = base / ms
+                    row[f"{kind}_err"] = err
+                    row[f"{kind}_config"] = str(best)
+                    print(f"{k}x{n} {fmt} M={m}: {kind:10s} {ms * 1e3:7.1f} us = {base / ms:.2f}x bf16 "
+                          f"({base * 1e3:.1f} us); rel err {err:.1e}; tuned {len(cands)} in {tuning:.0f} s: {best}",
+                          flush=True)
+                rows.append(row)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

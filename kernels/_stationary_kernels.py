@@ -1,0 +1,188 @@
+"""The x-stationary GEMV: INT8 / INT4 weights times a few rows of ``x``, weight rows streamed past a slice of ``x``.
+
+Imported lazily, like ``_word_kernels`` (see [Note: lazy triton] in ``_runtime``).
+
+[Note: x-stationary GEMV] The tile GEMV of ``_word_kernels`` walks ``K`` for a
+block of weight rows: every tile needs the matching columns of ``x`` again, and a
+slice of ``x`` broadcast over the tile's rows is redistributed between threads
+(through shared memory, with barriers) once per field plane per tile. Here the
+loop runs the other way. A program owns one slice of ``K`` (``G`` quantization
+groups of ``WG`` words; INT8: ``WG`` words) and a run of weight rows: it loads its
+slice of ``x`` once, as one register tensor per field plane in the weight tile's
+own layout, and then only streams weight words, ``BLOCK_N`` rows at a time (the
+next block, with its scales and zero points, in flight), each row's group sums
+finished (scale and zero point applied) before the next block. The layouts are
+Triton's: 3-D ``(BLOCK_N, G, WG)`` tiles keep each group's words in a few
+neighbouring threads, so the group sums need two shuffle levels. (A 4-D version
+with the fields as a last axis made Triton spread the fields over threads: three
+shuffles per code.)
+
+Several slices of ``K`` make several partial sums per output: each program
+stores its partials (fp32) to a workspace, then counts itself done on a per-run
+counter; the program that finds it was the last one sums the partials in slice
+order (deterministic, unlike fp32 atomics), stores the output in ``x``'s dtype and
+resets the counter to zero for the next call. So one launch does it all: no
+zeroed buffer, no cast kernel. Ordering: a barrier makes the program's stores
+precede its counter update, which has release semantics; the last program's
+update has acquire semantics and it reads the partials through L2 (``.cg``).
+
+[Note: subnormal codes] A field masked in place, ``word & (0xF << s)`` with
+``s + 4 <= 23``, has a zero exponent: read as fp32 it is the subnormal
+``q * 2^(s - 149)``, exactly. Multiplied (FFMA) by ``x * 2^(93 - s)`` it gives
+``q * x * 2^-56``, so a code costs one LOP3 (the mask is its one immediate) and
+one FFMA, against the magic-number path's LOP3, FADD and FFMA (and a register
+rebuilt for the second constant). The zero point comes off per group through
+the sum of ``x`` (``sum((q - z) x) = sum(q x) - z sum(x)``, z = 8 when
+symmetric, 128 for INT8 after the xor), and sums are scaled back by ``2^56``.
+Both factors are powers of two, so nothing is rounded that the plain product
+would not round; the range is what the scaling costs: ``|x|`` must stay below
+``2^35`` and a dot product below ``2^-70`` loses bits as a subnormal. The GPU
+keeps subnormals in fp32 FMA (Triton emits no ``.ftz``) at full rate.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _x_plane(x_row, word, live, CPW: tl.constexpr, J: tl.constexpr, SHIFT: tl.constexpr):
+    """Columns ``CPW * word + J`` of ``x`` times ``2^(93 - SHIFT)`` (exact): the field ``J`` of each word, at bit
+    ``SHIFT``, reads as ``q * 2^(SHIFT - 149)``, so products come out as ``q * x * 2^-56`` ([Note: subnormal
+    codes])."""
+    x = tl.load(x_row + word * CPW + J, mask=live, other=0.0).to(tl.float32)
+    return x * (2.0 ** (93 - SHIFT))
+
+
+@triton.jit
+def _plane(acc, src, x, SHIFT: tl.constexpr, BITS: tl.constexpr):
+    """``acc + q * x * 2^-56`` for the field of ``src`` at bit ``SHIFT``: one LOP3 and one FFMA per code."""
+    return tl.fma((src & (((1 << BITS) - 1) << SHIFT)).to(tl.float32, bitcast=True), x, acc)
+
+
+@triton.jit
+def _load_block(w_ptr, s_ptr, z_ptr, rows, N, word, live, pid_k, KW, stride_wn, stride_sn, FMT: tl.constexpr,
+                HAS_ZEROS: tl.constexpr, G: tl.constexpr, WG: tl.constexpr, EVEN: tl.constexpr):
+    """Words ``(BN, G, WG)`` of weight rows ``rows`` in this slice, their scales and zero points ``(BN, G)``
+    (INT8: scales ``(BN,)``, no zero points); rows from ``N`` on read nothing."""
+    rmask = rows < N
+    if EVEN:
+        w = tl.load(w_ptr + rows[:, None, None] * stride_wn + word, mask=rmask[:, None, None], other=0)
+    else:
+        w = tl.load(w_ptr + rows[:, None, None] * stride_wn + word, mask=rmask[:, None, None] & live, other=0)
+    if FMT == 1:
+        gcol = pid_k * G + tl.arange(0, G)
+        sptr = rows[:, None] * stride_sn + gcol[None, :]
+        smask = rmask[:, None] & (gcol * WG < KW)[None, :]
+        s = tl.load(s_ptr + sptr, mask=smask, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            z = tl.load(z_ptr + sptr, mask=smask, other=0).to(tl.float32)
+        else:
+            z = s
+    else:
+        s = tl.load(s_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        z = s
+    return w, s, z
+
+
+@triton.jit(do_not_specialize=["M", "SPLIT"])
+def stationary_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_ptr, M, N, KW, SPLIT,
+                           stride_xm, stride_wn, stride_sn, stride_om,
+                           FMT: tl.constexpr, HAS_ZEROS: tl.constexpr, G: tl.constexpr, WG: tl.constexpr,
+                           BLOCK_N: tl.constexpr, ROW_BLOCKS: tl.constexpr, PARTIAL: tl.constexpr,
+                           EVEN: tl.constexpr, FIX_K: tl.constexpr, DEPTH: tl.constexpr):
+    """Grid ``(M, SPLIT, cdiv(N, BLOCK_N * ROW_BLOCKS))``: row of ``x``, slice of ``K``, run of weight rows.
+
+    INT4 (FMT 1): a slice is ``G`` groups of ``WG`` words (8 codes each); scales and zero points ``(N, groups)``.
+    INT8 (FMT 0): a slice is ``WG`` words (4 codes each, ``G`` = 1); one scale per output row. ``EVEN``: every
+    slice is whole (``KW`` a multiple of ``G * WG``), so word loads need no per-column mask."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_r = tl.program_id(2)
+    word = pid_k * (G * WG) + tl.arange(0, G)[None, :, None] * WG + tl.arange(0, WG)[None, None, :]  # (1, G, WG)
+    live = word < KW
+    x_row = x_ptr + pid_m * stride_xm
+    if FMT == 1:
+        x0 = _x_plane(x_row, word, live, 8, 0, 0)
+        x1 = _x_plane(x_row, word, live, 8, 1, 4)
+        x2 = _x_plane(x_row, word, live, 8, 2, 8)
+        x3 = _x_plane(x_row, word, live, 8, 3, 12)
+        x4 = _x_plane(x_row, word, live, 8, 4, 0)
+        x5 = _x_plane(x_row, word, live, 8, 5, 4)
+        x6 = _x_plane(x_row, word, live, 8, 6, 8)
+        x7 = _x_plane(x_row, word, live, 8, 7, 12)
+        # sum((q - z) x) = sum(q x) - z sum(x), per group (symmetric: z = 8)
+        x_sum = tl.sum(x0 + x4 + 16.0 * (x1 + x5) + 256.0 * (x2 + x6) + 4096.0 * (x3 + x7), axis=2) * 2.0 ** -93
+    else:
+        x0 = _x_plane(x_row, word, live, 4, 0, 0)
+        x1 = _x_plane(x_row, word, live, 4, 1, 8)
+        x2 = _x_plane(x_row, word, live, 4, 2, 0)
+        x3 = _x_plane(x_row, word, live, 4, 3, 8)
+        x_sum = tl.sum(tl.sum(x0 + x2 + 256.0 * (x1 + x3), axis=2), axis=1) * 2.0 ** -93  # (1,): q = u - 128
+    n1 = tl.arange(0, BLOCK_N)
+    row0 = pid_r * (BLOCK_N * ROW_BLOCKS)
+    # [Note: register prefetch] in _word_kernels: block b + 1's words, scales and zero points are in flight
+    # while block b is computed (scales loaded on use cost one memory latency per block)
+    w_next, s_next, z_next = _load_block(w_ptr, s_ptr, z_ptr, row0 + n1, N, word, live, pid_k, KW, stride_wn,
+                                         stride_sn, FMT, HAS_ZEROS, G, WG, EVEN)
+    if DEPTH == 2:  # two blocks in flight
+        w_far, s_far, z_far = _load_block(w_ptr, s_ptr, z_ptr, tl.where(ROW_BLOCKS > 1, row0 + BLOCK_N + n1, N), N,
+                                          word, live, pid_k, KW, stride_wn, stride_sn, FMT, HAS_ZEROS, G, WG, EVEN)
+    for b in range(ROW_BLOCKS):
+        w = w_next
+        s = s_next
+        z = z_next
+        rows = row0 + b * BLOCK_N + n1
+        rmask = rows < N
+        nxt = tl.where(b + DEPTH < ROW_BLOCKS, rows + DEPTH * BLOCK_N, N)  # past the last block: row N, no load
+        if DEPTH == 2:
+            w_next = w_far
+            s_next = s_far
+            z_next = z_far
+            w_far, s_far, z_far = _load_block(w_ptr, s_ptr, z_ptr, nxt, N, word, live, pid_k, KW, stride_wn,
+                                              stride_sn, FMT, HAS_ZEROS, G, WG, EVEN)
+        else:
+            w_next, s_next, z_next = _load_block(w_ptr, s_ptr, z_ptr, nxt, N, word, live, pid_k, KW, stride_wn,
+                                                 stride_sn, FMT, HAS_ZEROS, G, WG, EVEN)
+        if FMT == 1:
+            hi = w >> 16
+            t = _plane(0.0, w, x0, 0, 4)  # one chain of multiply-adds per word
+            t = _plane(t, w, x1, 4, 4)
+            t = _plane(t, w, x2, 8, 4)
+            t = _plane(t, w, x3, 12, 4)
+            t = _plane(t, hi, x4, 0, 4)
+            t = _plane(t, hi, x5, 4, 4)
+            t = _plane(t, hi, x6, 8, 4)
+            t = _plane(t, hi, x7, 12, 4)
+            tg = tl.sum(t, axis=2) * 2.0 ** 56  # (BN, G)
+            if HAS_ZEROS:
+                tg = tg - z * x_sum
+            else:
+                tg = tg - 8.0 * x_sum
+            part = tl.sum(tg * s, axis=1)
+        else:
+            u = w ^ -2139062144  # 0x80808080: signed bytes to q + 128
+            hi = u >> 16
+            t = _plane(0.0, u, x0, 0, 8)
+            t = _plane(t, u, x1, 8, 8)
+            t = _plane(t, hi, x2, 0, 8)
+            t = _plane(t, hi, x3, 8, 8)
+            part = (tl.sum(tl.sum(t, axis=2), axis=1) * 2.0 ** 56 - 128.0 * x_sum) * s
+        if not PARTIAL:  # one slice: the output directly
+            tl.store(out_ptr + pid_m * stride_om + rows, part.to(out_ptr.dtype.element_ty), mask=rmask)
+        else:
+            tl.store(part_ptr + (pid_m * SPLIT + pid_k) * N + rows, part, mask=rmask)
+    if PARTIAL:
+        tl.debug_barrier()
+        counter = count_ptr + pid_m * tl.num_programs(2) + pid_r
+        done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT - 1:  # the last slice of this run of rows: sum the partials in slice order
+            run = row0 + tl.arange(0, BLOCK_N * ROW_BLOCKS)
+            total = tl.zeros((BLOCK_N * ROW_BLOCKS,), tl.float32)
+            kc = tl.arange(0, FIX_K)  # FIX_K slices' partials per load, so their latencies overlap
+            for k0 in range(0, SPLIT, FIX_K):
+                ptrs = part_ptr + (pid_m * SPLIT + k0 + kc)[:, None] * N + run[None, :]
+                total += tl.sum(tl.load(ptrs, mask=(k0 + kc < SPLIT)[:, None] & (run < N)[None, :], other=0.0,
+                                        cache_modifier=".cg"), axis=0)
+            tl.store(out_ptr + pid_m * stride_om + run, total.to(out_ptr.dtype.element_ty), mask=run < N)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
