@@ -40,6 +40,9 @@ def run(engine, topo, steps: int = 4) -> dict:
         for k in range(gas):
             loss = loss_of("llama", engine, micro_batch("llama", engine.global_steps, k * topo.world_size + topo.rank))
             engine.backward(loss)
+            if engine.offload is not None and engine.policy.shard_grads:  # [Note: the device gradient after its copy]
+                held = [g.grad_shard is not None for g in engine.groups if g.trainable]
+                assert not any(held) if k == gas - 1 else all(held), (k, held)
             engine.step()
             total += loss.detach().float()
         losses.append(all_reduce(total, topo=topo, op=ReduceOp.AVG).item() / gas)

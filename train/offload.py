@@ -28,6 +28,17 @@ or the parameter store with parameter offload, :mod:`zspeed.train.param_offload`
    the upload and gather of group i overlap the update of group i+1.
 The step ends when the last group is home.
 
+[Note: the device gradient after its copy]
+At stages 2-3 a group's reduced gradient shard (``grad_shard``) used to stay on
+the device until ``zero_grads`` after the step, although only its host copy is
+read from then on: at one rank the shards are the whole model's gradients, so an
+8 B model held 16 GB of them through the step (the capacity run of session 5:
+37.8 GiB peak against DeepSpeed's 6.7). At the accumulation boundary the shard
+is now dropped as soon as its copy is queued; ``record_stream`` on the D2H stream
+keeps the memory from reuse until the copy has run, and the copy waits for the
+reduction (stream order), so nothing reads freed memory. Earlier micro-batches
+keep accumulating into it as before.
+
 [Note: overlapping the CPU update]
 Without gradient clipping and without fp16 nothing in the step needs the global
 norm, so step 3 does not wait for step 2: each group's update is submitted to the
@@ -247,6 +258,7 @@ class OptimizerOffload:
         if self.boundary and self.device.is_cuda:
             after = g.comm.reduce_stream if g.comm is not None else self.device.current_stream()
             self._send(self.hosts[id(g)], g.grad_shard, after=after)
+            g.grad_shard = None  # [Note: the device gradient after its copy]
 
     def collect(self, g: FlatParamGroup) -> None:
         """After backward at the boundary: send the group's gradient if the reduction hook did not."""
@@ -256,6 +268,7 @@ class OptimizerOffload:
         if self.policy.shard_grads:
             grad = g.grad_shard if g.grad_shard is not None else torch.zeros(
                 g.hi - g.lo, dtype=g.dtype, device=self.device.device)
+            g.grad_shard = None  # [Note: the device gradient after its copy]
         else:
             grad = g.reduced_full_grad()
         self._send(h, grad, after=self.device.current_stream())
