@@ -2,6 +2,7 @@
 
     python benchmarks/bench_decode.py [--layers 32] [--tokens 64] [--json FILE]
     python benchmarks/bench_decode.py --dry-run     # CPU, 2 tiny layers: checks the script only
+    python benchmarks/bench_decode.py --compile     # every system's decode step through torch.compile first
 
 Hugging Face ``LlamaForCausalLM`` of the Llama-3-8B shape (hidden 4096, FFN 14336,
 32 heads, 8 KV heads, vocabulary 128,256), random bf16 weights, a ``StaticCache``;
@@ -52,10 +53,13 @@ def build(layers: int, device: str, tiny: bool):
 class Decoder:
     """One decode step of ``model`` on a static cache, captured in a CUDA graph (eager on the CPU)."""
 
-    def __init__(self, model, prompt: torch.Tensor, max_len: int):
+    def __init__(self, model, prompt: torch.Tensor, max_len: int, *, compile: bool = False):
         from transformers import StaticCache
 
         self.model, self.device = model, prompt.device
+        # --compile: Inductor fuses the norms, rotary embeddings and residual adds (a batch-1 decode step of
+        # the 8B shape is ~20 small non-matmul kernels per layer); zspeed's matmuls are custom ops, left opaque
+        self.forward = torch.compile(model.forward, dynamic=False) if compile else model.forward
         self.cache = StaticCache(config=model.config, max_batch_size=1, max_cache_len=max_len,
                                  device=self.device, dtype=torch.bfloat16)
         with torch.no_grad():
@@ -67,7 +71,7 @@ class Decoder:
         self.graph = None
 
     def _step(self) -> torch.Tensor:
-        out = self.model(input_ids=self.ids, past_key_values=self.cache, cache_position=self.pos, use_cache=True)
+        out = self.forward(input_ids=self.ids, past_key_values=self.cache, cache_position=self.pos, use_cache=True)
         return out.logits[:, -1].argmax(-1, keepdim=True)
 
     def capture(self) -> None:
@@ -117,11 +121,14 @@ def quantized(model, bits: int):
 
 
 def measure(name: str, model, prompt, args) -> dict:
-    dec = Decoder(model, prompt, max_len=prompt.shape[1] + args.tokens + 8)
+    dec = Decoder(model, prompt, max_len=prompt.shape[1] + args.tokens + 8, compile=args.compile)
+    if args.compile:
+        with torch.no_grad():
+            dec._step()  # compile outside the graph capture's warm-up
     dec.capture()
     dec.run(4)  # one untimed pass
     toks, secs = dec.run(args.tokens)
-    row = {"system": name, "tokens": args.tokens, "seconds": secs, "tokens_per_s": args.tokens / secs,
+    row = {"system": name, "compiled": args.compile, "tokens": args.tokens, "seconds": secs, "tokens_per_s": args.tokens / secs,
            "ms_per_token": secs / args.tokens * 1e3, "graph": dec.graph is not None, "ids": toks}
     print(json.dumps({k: v for k, v in row.items() if k != "ids"}), flush=True)
     return row
@@ -134,6 +141,8 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--json")
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--compile", action="store_true", help="torch.compile every system's decode step (bf16 too), so "
+                   "that the step's small non-matmul kernels are fused for all of them alike")
     args = p.parse_args()
     device = "cpu" if args.dry_run else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
