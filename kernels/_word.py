@@ -259,7 +259,9 @@ _WORKSPACE: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 def _stationary_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(partials, counters)`` of the x-stationary kernel on ``device``, made on first use outside a CUDA graph
-    capture (counters start at zero and every launch leaves them at zero); ``None`` while capturing before that."""
+    capture (counters start at zero and every launch leaves them at zero); ``None`` while capturing before that.
+    One per device, not per stream (a graph captured on a side stream must find the one its warm-up made): two
+    launches must not run at once on two streams of one device (the serving runner and decoding use one)."""
     ws = _WORKSPACE.get(device)
     if ws is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -273,13 +275,17 @@ def run_stationary(x, words, s, z, c: WordConfig, *, fmt: int, group: int, n: in
     """The x-stationary kernel with config ``c``; ``None`` where its workspace cannot be made now (see above)."""
     m, kw = x.shape[0], words.shape[1]
     runs = cdiv(n, c.block_n * c.row_blocks)
-    ws = _stationary_workspace(x.device) if c.split_k > 1 else (x, words)
-    if ws is None or m * runs > ws[1].numel():
-        return None
-    wg = c.block_w if fmt == FMT_W8 else group // CPW[fmt]  # words per group (INT8: per slice, one "group")
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if c.split_k > 1:
+        ws = _stationary_workspace(x.device)
+        if ws is None or m * runs > ws[1].numel():
+            return None
+        partials, counters = ws
+    else:  # one slice: the kernel stores the output directly and touches neither
+        partials, counters = out, words
+    wg = c.block_w if fmt == FMT_W8 else group // CPW[fmt]  # words per group (INT8: per slice, one "group")
     _stationary_kernels().stationary_gemv_kernel[(m, c.split_k, runs)](
-        x, words, s, z if z is not None else s, ws[0], ws[1], out, m, n, kw, c.split_k,
+        x, words, s, z if z is not None else s, partials, counters, out, m, n, kw, c.split_k,
         x.stride(0), words.stride(0), s.stride(0) if s.dim() > 1 else 1, out.stride(0),
         FMT=fmt, HAS_ZEROS=z is not None, G=c.block_w // wg, WG=wg, BLOCK_N=c.block_n, ROW_BLOCKS=c.row_blocks,
         PARTIAL=c.split_k > 1, EVEN=kw % c.block_w == 0,
