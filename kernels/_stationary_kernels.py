@@ -61,6 +61,16 @@ def _plane(acc, src, x, SHIFT: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _program_slice(x_ptr, stride_xm, KW, G: tl.constexpr, WG: tl.constexpr):
+    """This program's (row of x, slice, run of rows), the slice's word indices ``(1, G, WG)``, which of them lie
+    inside the row, and its row of ``x``."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    word = pid_k * (G * WG) + tl.arange(0, G)[None, :, None] * WG + tl.arange(0, WG)[None, None, :]
+    return pid_m, pid_k, tl.program_id(2), word, word < KW, x_ptr + pid_m * stride_xm
+
+
+@triton.jit
 def _load_block(w_ptr, s_ptr, z_ptr, rows, N, word, live, pid_k, KW, stride_wn, stride_sn, FMT: tl.constexpr,
                 HAS_ZEROS: tl.constexpr, G: tl.constexpr, WG: tl.constexpr, EVEN: tl.constexpr):
     """Words ``(BN, G, WG)`` of weight rows ``rows`` in this slice, their scales and zero points ``(BN, G)``
@@ -96,12 +106,7 @@ def stationary_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_
     INT4 (FMT 1): a slice is ``G`` groups of ``WG`` words (8 codes each); scales and zero points ``(N, groups)``.
     INT8 (FMT 0): a slice is ``WG`` words (4 codes each, ``G`` = 1); one scale per output row. ``EVEN``: every
     slice is whole (``KW`` a multiple of ``G * WG``), so word loads need no per-column mask."""
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    pid_r = tl.program_id(2)
-    word = pid_k * (G * WG) + tl.arange(0, G)[None, :, None] * WG + tl.arange(0, WG)[None, None, :]  # (1, G, WG)
-    live = word < KW
-    x_row = x_ptr + pid_m * stride_xm
+    pid_m, pid_k, pid_r, word, live, x_row = _program_slice(x_ptr, stride_xm, KW, G, WG)
     if FMT == 1:
         x0 = _x_plane(x_row, word, live, 8, 0, 0)
         x1 = _x_plane(x_row, word, live, 8, 1, 4)
@@ -173,16 +178,114 @@ def stationary_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_
         else:
             tl.store(part_ptr + (pid_m * SPLIT + pid_k) * N + rows, part, mask=rmask)
     if PARTIAL:
-        tl.debug_barrier()
-        counter = count_ptr + pid_m * tl.num_programs(2) + pid_r
-        done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if done == SPLIT - 1:  # the last slice of this run of rows: sum the partials in slice order
-            run = row0 + tl.arange(0, BLOCK_N * ROW_BLOCKS)
-            total = tl.zeros((BLOCK_N * ROW_BLOCKS,), tl.float32)
-            kc = tl.arange(0, FIX_K)  # FIX_K slices' partials per load, so their latencies overlap
-            for k0 in range(0, SPLIT, FIX_K):
-                ptrs = part_ptr + (pid_m * SPLIT + k0 + kc)[:, None] * N + run[None, :]
-                total += tl.sum(tl.load(ptrs, mask=(k0 + kc < SPLIT)[:, None] & (run < N)[None, :], other=0.0,
-                                        cache_modifier=".cg"), axis=0)
-            tl.store(out_ptr + pid_m * stride_om + run, total.to(out_ptr.dtype.element_ty), mask=run < N)
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+        _finish(part_ptr, count_ptr, out_ptr, pid_m, pid_r, row0, N, SPLIT, stride_om, BLOCK_N * ROW_BLOCKS, FIX_K)
+
+
+@triton.jit
+def _finish(part_ptr, count_ptr, out_ptr, pid_m, pid_r, row0, N, SPLIT, stride_om, RUN: tl.constexpr,
+            FIX_K: tl.constexpr):
+    """After this program's partials are stored: count it done; the last slice of the run sums them in slice
+    order into the output and resets the counter ([Note: x-stationary GEMV])."""
+    tl.debug_barrier()
+    counter = count_ptr + pid_m * tl.num_programs(2) + pid_r
+    done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if done == SPLIT - 1:
+        run = row0 + tl.arange(0, RUN)
+        total = tl.zeros((RUN,), tl.float32)
+        kc = tl.arange(0, FIX_K)  # FIX_K slices' partials per load, so their latencies overlap
+        for k0 in range(0, SPLIT, FIX_K):
+            ptrs = part_ptr + (pid_m * SPLIT + k0 + kc)[:, None] * N + run[None, :]
+            total += tl.sum(tl.load(ptrs, mask=(k0 + kc < SPLIT)[:, None] & (run < N)[None, :], other=0.0,
+                                    cache_modifier=".cg"), axis=0)
+        tl.store(out_ptr + pid_m * stride_om + run, total.to(out_ptr.dtype.element_ty), mask=run < N)
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _x_block(x_row, word, live, B: tl.constexpr):
+    """2:4 + INT4: columns ``16 * word + 4 * B + j`` (j = 0..3) of ``x``, scaled for codes masked in place in
+    the 16-bit half that holds block ``B`` (bit ``8 * (B % 2)``; see [Note: subnormal codes])."""
+    base = x_row + word * 16 + 4 * B
+    f = 2.0 ** (93 - 8 * (B % 2))
+    x0 = tl.load(base, mask=live, other=0.0).to(tl.float32) * f
+    x1 = tl.load(base + 1, mask=live, other=0.0).to(tl.float32) * f
+    x2 = tl.load(base + 2, mask=live, other=0.0).to(tl.float32) * f
+    x3 = tl.load(base + 3, mask=live, other=0.0).to(tl.float32) * f
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _kept(t0, t1, xs, src, meta, x0, x1, x2, x3, B: tl.constexpr):
+    """Block ``B``'s two kept values: ``t0 += q0 * x[p0]`` and ``t1 += 16 q1 * x[p1]`` (both times 2^-56), and
+    ``xs += x[p0] + x[p1]`` (for the zero point). Positions are sorted: p0 <= 2, p1 >= 1."""
+    SH: tl.constexpr = 8 * (B % 2)
+    p0 = (meta >> (4 * B)) & 3
+    p1 = (meta >> (4 * B + 2)) & 3
+    xa = tl.where(p0 == 0, x0, tl.where(p0 == 1, x1, x2))
+    xb = tl.where(p1 == 3, x3, tl.where(p1 == 2, x2, x1))
+    t0 = tl.fma((src & (0xF << SH)).to(tl.float32, bitcast=True), xa, t0)
+    t1 = tl.fma((src & (0xF0 << SH)).to(tl.float32, bitcast=True), xb, t1)
+    return t0, t1, xs + (xa + xb)
+
+
+@triton.jit
+def _load_s24w4(w_ptr, meta_ptr, rows, N, word, live, stride_wn, stride_mn, EVEN: tl.constexpr):
+    """Words and int16 position words ``(BN, G, WG)`` of weight rows ``rows``; rows from ``N`` on read nothing."""
+    if EVEN:
+        mask = (rows < N)[:, None, None]
+    else:
+        mask = (rows < N)[:, None, None] & live
+    w = tl.load(w_ptr + rows[:, None, None] * stride_wn + word, mask=mask, other=0)
+    meta = tl.load(meta_ptr + rows[:, None, None] * stride_mn + word, mask=mask, other=0).to(tl.int32)
+    return w, meta
+
+
+@triton.jit(do_not_specialize=["M", "SPLIT"])
+def stationary_s24w4_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_ptr, M, N, KW, SPLIT,
+                            stride_xm, stride_wn, stride_mn, stride_sn, stride_om,
+                            HAS_ZEROS: tl.constexpr, G: tl.constexpr, WG: tl.constexpr, BLOCK_N: tl.constexpr,
+                            ROW_BLOCKS: tl.constexpr, PARTIAL: tl.constexpr, EVEN: tl.constexpr,
+                            FIX_K: tl.constexpr):
+    """2:4 + INT4 (FMT 3: a word is 4 blocks of 4 columns, nibble ``2b + i`` kept value ``i`` of block ``b``; the
+    int16 metadata word holds the 4 blocks' positions), x-stationary ([Note: x-stationary GEMV]): the word's 16
+    columns of ``x`` stay in registers, each kept value picks its column by its position. Grid and workspace as
+    ``stationary_gemv_kernel``'s; a group is ``WG`` words. Zero points need the sum of the picked columns, so it
+    is summed per row (one add per kept value) instead of once per slice."""
+    pid_m, pid_k, pid_r, word, live, x_row = _program_slice(x_ptr, stride_xm, KW, G, WG)
+    a0, a1, a2, a3 = _x_block(x_row, word, live, 0)
+    b0, b1, b2, b3 = _x_block(x_row, word, live, 1)
+    c0, c1, c2, c3 = _x_block(x_row, word, live, 2)
+    d0, d1, d2, d3 = _x_block(x_row, word, live, 3)
+    n1 = tl.arange(0, BLOCK_N)
+    row0 = pid_r * (BLOCK_N * ROW_BLOCKS)
+    gcol = pid_k * G + tl.arange(0, G)
+    w_next, m_next = _load_s24w4(w_ptr, meta_ptr, row0 + n1, N, word, live, stride_wn, stride_mn, EVEN)
+    for b in range(ROW_BLOCKS):
+        w = w_next  # [Note: register prefetch] in _word_kernels: the next block's words and positions in flight
+        meta = m_next
+        rows = row0 + b * BLOCK_N + n1
+        rmask = rows < N
+        w_next, m_next = _load_s24w4(w_ptr, meta_ptr, tl.where(b + 1 < ROW_BLOCKS, rows + BLOCK_N, N), N, word,
+                                     live, stride_wn, stride_mn, EVEN)
+        hi = w >> 16
+        zero = tl.zeros(w.shape, tl.float32)
+        t0, t1, xs_e = _kept(zero, zero, zero, w, meta, a0, a1, a2, a3, 0)
+        t0, t1, xs_o = _kept(t0, t1, zero, w, meta, b0, b1, b2, b3, 1)
+        t0, t1, xs_e = _kept(t0, t1, xs_e, hi, meta, c0, c1, c2, c3, 2)
+        t0, t1, xs_o = _kept(t0, t1, xs_o, hi, meta, d0, d1, d2, d3, 3)
+        tg = tl.sum(t0 + t1 * 0.0625, axis=2) * 2.0 ** 56  # (BN, G)
+        x_sum = tl.sum(xs_e + xs_o * 256.0, axis=2) * 2.0 ** -93  # the picked columns of x, per row and group
+        sptr = rows[:, None] * stride_sn + gcol[None, :]
+        smask = rmask[:, None] & (gcol * WG < KW)[None, :]
+        s = tl.load(s_ptr + sptr, mask=smask, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            tg = tg - tl.load(z_ptr + sptr, mask=smask, other=0).to(tl.float32) * x_sum
+        else:
+            tg = tg - 8.0 * x_sum
+        part = tl.sum(tg * s, axis=1)
+        if not PARTIAL:
+            tl.store(out_ptr + pid_m * stride_om + rows, part.to(out_ptr.dtype.element_ty), mask=rmask)
+        else:
+            tl.store(part_ptr + (pid_m * SPLIT + pid_k) * N + rows, part, mask=rmask)
+    if PARTIAL:
+        _finish(part_ptr, count_ptr, out_ptr, pid_m, pid_r, row0, N, SPLIT, stride_om, BLOCK_N * ROW_BLOCKS, FIX_K)

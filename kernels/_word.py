@@ -8,7 +8,7 @@ Two paths, both for weights whose packed rows can be read as int32 words
   ``BLOCK_N`` weight rows, slice of ``K``); with one slice the result is stored in
   ``x.dtype`` directly; with several, fp32 atomics go into a zeroed buffer that is
   cast at the end (two more small kernels, which is why splitting is only picked
-  where it pays). For INT8 / INT4, the x-stationary kernel
+  where it pays). For INT8, INT4 and 2:4 + INT4, the x-stationary kernels
   (``_stationary_kernels``, [Note: x-stationary GEMV]): one program per (row of
   ``x``, slice of ``K``, run of weight rows), its slice of ``x`` held in registers
   while weight rows stream past; slices meet in one launch.
@@ -151,13 +151,13 @@ STATIONARY_WORKSPACE = 1 << 22  # fp32 partial sums (16 MiB) per device; slices 
 
 
 def stationary_candidates(fmt: int, m: int, n: int, kw: int, group: int, device: torch.device) -> list[WordConfig]:
-    """x-stationary configs ([Note: x-stationary GEMV]): INT8, or INT4 with groups of a power-of-two number of
-    words."""
-    if fmt not in (FMT_W8, FMT_W4) or m > 8:
+    """x-stationary configs ([Note: x-stationary GEMV]): INT8, or INT4 and 2:4 + INT4 with groups of a
+    power-of-two number of words."""
+    if fmt not in (FMT_W8, FMT_W4, FMT_S24W4) or m > 8:
         return []
-    if fmt == FMT_W4:
+    if fmt in (FMT_W4, FMT_S24W4):
         wg = group // CPW[fmt]
-        if group % CPW[fmt] or wg & (wg - 1) or kw % wg:
+        if group % CPW[fmt] or wg < 1 or wg & (wg - 1) or kw % wg:
             return []
     else:
         wg = 16
@@ -168,8 +168,8 @@ def stationary_candidates(fmt: int, m: int, n: int, kw: int, group: int, device:
     out = []
     for units, bn, warps in STATIONARY_TILES:
         bw = units * wg
-        if bw >= 2 * kw:
-            continue
+        if bw >= 2 * kw or (fmt == FMT_S24W4 and bn * bw > 128 * warps):
+            continue  # 2:4 + INT4 keeps 16 columns of x per word: at most 4 words per thread fit the registers
         split = cdiv(kw, bw)
         if split > 1 and m * split * n > STATIONARY_WORKSPACE:
             continue
@@ -177,7 +177,7 @@ def stationary_candidates(fmt: int, m: int, n: int, kw: int, group: int, device:
         while rb < 32 and m * split * cdiv(n, bn * rb * 2) >= 4 * sms:  # fit at once depends on registers:
             rb *= 2  # the tuner sees which wave shape is faster)
         out += [WordConfig(1, bn, bw, split, warps, row_blocks=r) for r in sorted({rb, min(32, 2 * rb)})]
-        if rb > 2:  # blocks two ahead in flight ([Note: register prefetch] in _word_kernels)
+        if rb > 2 and fmt != FMT_S24W4:  # blocks two ahead in flight ([Note: register prefetch] in _word_kernels)
             out.append(WordConfig(1, bn, bw, split, warps, prefetch=2, row_blocks=rb))
     return out
 
@@ -271,7 +271,8 @@ def _stationary_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Ten
     return ws
 
 
-def run_stationary(x, words, s, z, c: WordConfig, *, fmt: int, group: int, n: int) -> torch.Tensor | None:
+def run_stationary(x, words, s, z, c: WordConfig, *, fmt: int, group: int, n: int,
+                   meta: torch.Tensor | None = None) -> torch.Tensor | None:
     """The x-stationary kernel with config ``c``; ``None`` where its workspace cannot be made now (see above)."""
     m, kw = x.shape[0], words.shape[1]
     runs = cdiv(n, c.block_n * c.row_blocks)
@@ -284,13 +285,20 @@ def run_stationary(x, words, s, z, c: WordConfig, *, fmt: int, group: int, n: in
     else:  # one slice: the kernel stores the output directly and touches neither
         partials, counters = out, words
     wg = c.block_w if fmt == FMT_W8 else group // CPW[fmt]  # words per group (INT8: per slice, one "group")
+    fix_k = max(1, min(8, 2048 // (c.block_n * c.row_blocks)))
+    zz = z if z is not None else s
+    if fmt == FMT_S24W4:
+        _stationary_kernels().stationary_s24w4_kernel[(m, c.split_k, runs)](
+            x, words, meta, s, zz, partials, counters, out, m, n, kw, c.split_k,
+            x.stride(0), words.stride(0), meta.stride(0), s.stride(0), out.stride(0),
+            HAS_ZEROS=z is not None, G=c.block_w // wg, WG=wg, BLOCK_N=c.block_n, ROW_BLOCKS=c.row_blocks,
+            PARTIAL=c.split_k > 1, EVEN=kw % c.block_w == 0, FIX_K=fix_k, num_warps=c.warps)
+        return out
     _stationary_kernels().stationary_gemv_kernel[(m, c.split_k, runs)](
-        x, words, s, z if z is not None else s, partials, counters, out, m, n, kw, c.split_k,
+        x, words, s, zz, partials, counters, out, m, n, kw, c.split_k,
         x.stride(0), words.stride(0), s.stride(0) if s.dim() > 1 else 1, out.stride(0),
         FMT=fmt, HAS_ZEROS=z is not None, G=c.block_w // wg, WG=wg, BLOCK_N=c.block_n, ROW_BLOCKS=c.row_blocks,
-        PARTIAL=c.split_k > 1, EVEN=kw % c.block_w == 0,
-        FIX_K=max(1, min(8, 2048 // (c.block_n * c.row_blocks))), DEPTH=c.prefetch,
-        num_warps=c.warps)
+        PARTIAL=c.split_k > 1, EVEN=kw % c.block_w == 0, FIX_K=fix_k, DEPTH=c.prefetch, num_warps=c.warps)
     return out
 
 
@@ -301,7 +309,7 @@ def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
 
     def launch(c: WordConfig) -> torch.Tensor:
         if c.row_blocks:
-            out = run_stationary(x, words, s, z, c, fmt=fmt, group=group, n=n)
+            out = run_stationary(x, words, s, z, c, fmt=fmt, group=group, n=n, meta=meta)
             if out is not None:
                 return out
             c = tiles[0]  # inside a CUDA graph capture before the workspace exists: the tile kernel

@@ -219,6 +219,26 @@ def test_stationary_gemv_matches_reference(fmt, m, n, k, group, sym, dtype):
     assert _word.stationary_candidates(_word.FMT_S24, m, n, words.shape[1], group, x.device) == []
 
 
+@needs_interp
+@pytest.mark.parametrize("m,n,k,group,sym,dtype", [(1, 37, 512, 64, False, torch.float32),
+                                                   (3, 24, 256, 128, True, torch.bfloat16),
+                                                   (2, 40, 384, 32, False, torch.float16)])
+def test_stationary_sparse24_int4_matches_reference(m, n, k, group, sym, dtype):
+    """The 2:4 + INT4 x-stationary kernel ([Note: x-stationary GEMV]): each kept value picks its column of x by
+    its position; several slices (partials summed in one launch) or one; zero points or symmetric."""
+    from zspeed.kernels import _word
+
+    x, w = _inputs(m, n, k, dtype, seed=11)
+    sp = compress_nm(prune_nm(w, w.abs(), n=2, m=4))
+    q = quantize_int4(sp.values, group_size=group // 2, symmetric=sym)  # groups over kept values
+    ref = sparse24_w4a16_ref(x, q.qweight, sp.meta, q.scales, q.zeros, group)
+    words, meta = _word.word_view(_word.FMT_S24W4, q.qweight, sp.meta, k)
+    (cfg,) = _word.stationary_candidates(_word.FMT_S24W4, m, n, words.shape[1], group, x.device)
+    for c in (cfg, cfg, dataclasses.replace(cfg, split_k=1, block_w=words.shape[1])) if k <= 256 else (cfg, cfg):
+        out = _word.run_stationary(x, words, q.scales, q.zeros, c, fmt=_word.FMT_S24W4, group=group, n=n, meta=meta)
+        _close(out, ref, dtype)
+
+
 def _run_in_subprocess():
     """Runs this file with the interpreter on when this process cannot (see module docstring)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "ZSPEED_KERNEL_SUBPROCESS": "1"}
