@@ -20,7 +20,7 @@ from typing import Protocol, Sequence
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from zspeed.kernels import interpreting
+from zspeed.kernels import HAS_TRITON, interpreting
 from zspeed.kernels.attention import BLOCK_M as ATTENTION_BLOCK_M
 from zspeed.kernels.attention import attention_work
 
@@ -77,8 +77,8 @@ class ModelRunner:
         attention_kernel: ``"triton"``: each layer's attention (decode tokens and prompt chunks) in one
             Triton kernel over the cache ([Note: slot attention kernel] in zspeed.kernels.attention; on a
             CPU only under ``TRITON_INTERPRET=1``); ``"sdpa"``: torch SDPA per prompt chunk and over a
-            gathered batch of decodes; ``"auto"`` (default): Triton on a CUDA device when the head size is a
-            power of two, SDPA elsewhere.
+            gathered batch of decodes; ``"auto"`` (default): Triton on a CUDA device when Triton is installed
+            and the head size is a power of two, SDPA elsewhere.
     """
 
     def __init__(self, model: LoadedModel, *, max_batch_size: int, max_model_len: int,
@@ -89,9 +89,11 @@ class ModelRunner:
         desc = model.description
         if attention_kernel == "auto":
             pow2 = desc.head_dim & (desc.head_dim - 1) == 0
-            attention_kernel = "triton" if model.device.device.type == "cuda" and pow2 else "sdpa"
+            attention_kernel = "triton" if HAS_TRITON and model.device.device.type == "cuda" and pow2 else "sdpa"
         self._attention_kernel = attention_kernel == "triton"
         self.attention_kernel = attention_kernel  # what runs: "sdpa" or "triton"
+        if self._attention_kernel and not HAS_TRITON:
+            raise ValueError("attention_kernel='triton' needs the triton package (pip install triton); or use 'sdpa'")
         if self._attention_kernel and model.device.device.type != "cuda" and not interpreting():
             raise ValueError("attention_kernel='triton' needs a CUDA device (or TRITON_INTERPRET=1 on a CPU)")
         if self._attention_kernel and desc.head_dim & (desc.head_dim - 1):

@@ -119,6 +119,11 @@ def test_triton_slot_attention_matches_hf_generate(tiny_dir, reference, monkeypa
         ModelRunner(model, max_batch_size=1, max_model_len=64, attention_kernel="triton")
     assert ModelRunner(model, max_batch_size=1, max_model_len=64).attention_kernel == "sdpa", "auto, no CUDA"
     assert runner.attention_kernel == "triton"
+    from zspeed.serve import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "HAS_TRITON", False)
+    with pytest.raises(ValueError, match="needs the triton package"):
+        ModelRunner(model, max_batch_size=1, max_model_len=64, attention_kernel="triton")
 
 
 def test_layers_that_do_not_split_are_refused(tiny_dir):
