@@ -96,7 +96,7 @@ def _serve_parser() -> argparse.ArgumentParser:
     b.add_argument("--attention-kernel", choices=("auto", "sdpa", "triton"), default="auto",
                    help="attention: one Triton kernel per layer over the KV cache (triton), or torch SDPA per "
                         "prompt chunk and over a gathered batch of decodes (sdpa); auto (default): triton on a "
-                        "CUDA device when the head size is a power of two, else sdpa")
+                        "CUDA device when triton is installed and the head size is a power of two, else sdpa")
     b.add_argument("--step-log", help="append one JSON line per engine step to this file (for diagnosis)")
     b.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the model in a process of its own, apart from the gRPC threads (default: yes)")
@@ -156,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.max_prefill_tokens_per_step < 0:
+        raise ValueError("--max-prefill-tokens-per-step must be >= 0 (0: no cap), "
+                         f"got {args.max_prefill_tokens_per_step}")
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s zserve %(levelname)s %(message)s")
     from .model_loader import LoadConfig, load_model
