@@ -276,28 +276,23 @@ class _Outbox:
 
 
 class ForwardingObserver:
-    """The child's metrics observer: every call goes to the gRPC process's :class:`ServeMetrics`."""
+    """The child's metrics observer: each method named in :data:`OBSERVED` sends its call to the gRPC process's
+    :class:`ServeMetrics` (made from that set below, so the two cannot drift apart)."""
 
     def __init__(self, outbox: _Outbox) -> None:
         self._outbox = outbox
 
-    def on_request_rejected(self, *args, **kwargs) -> None:
-        self._outbox.observe("on_request_rejected", args, kwargs)
 
-    def on_queue_changed(self, *args, **kwargs) -> None:
-        self._outbox.observe("on_queue_changed", args, kwargs)
+def _forwarder(name: str):
+    def forward(self: ForwardingObserver, *args, **kwargs) -> None:
+        self._outbox.observe(name, args, kwargs)
 
-    def on_step(self, *args, **kwargs) -> None:
-        self._outbox.observe("on_step", args, kwargs)
+    forward.__name__ = forward.__qualname__ = name
+    return forward
 
-    def on_request_finished(self, *args, **kwargs) -> None:
-        self._outbox.observe("on_request_finished", args, kwargs)
 
-    def on_weights_streamed(self, *args, **kwargs) -> None:
-        self._outbox.observe("on_weights_streamed", args, kwargs)
-
-    def set_device_memory(self, *args, **kwargs) -> None:
-        self._outbox.observe("set_device_memory", args, kwargs)
+for _name in sorted(OBSERVED):
+    setattr(ForwardingObserver, _name, _forwarder(_name))
 
 
 def child_main(conn, load_config: LoadConfig, server_config, log_level: int) -> None:
