@@ -308,6 +308,8 @@ def start_server(args, *, batch: int, offload: str, nvme_path: str | None = None
         cmd += ["--step-log", args.step_log]
     if args.max_prefill_tokens_per_step is not None:  # 0: no cap; unset: zserve's default
         cmd += ["--max-prefill-tokens-per-step", str(args.max_prefill_tokens_per_step)]
+    if args.prefill_pacing_steps is not None:  # 0: no pacing; unset: zserve's default
+        cmd += ["--prefill-pacing-steps", str(args.prefill_pacing_steps)]
     cmd += ["--attention-kernel", args.attention_kernel]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:
@@ -397,7 +399,8 @@ async def load_session(port: int, args, *, batch: int, offline_tps: float | None
     base = {"bench": "load", "preset": args.preset, "layers": num_layers(args), "offload": args.offload,
             "batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
             "budget_tokens": max(args.max_num_batched_tokens, batch), "engine_process": args.engine_process,
-            "prefill_cap": args.max_prefill_tokens_per_step, "attention_kernel": args.attention_kernel}
+            "prefill_cap": args.max_prefill_tokens_per_step, "prefill_pacing": args.prefill_pacing_steps,
+            "attention_kernel": args.attention_kernel}
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = serve_pb2_grpc.GenerationServiceStub(channel)
         await open_loop(stub, serve_pb2, rate=None, n=batch, args=args, vocab=vocab, new_tokens=3, seed=1)  # warm-up
@@ -601,6 +604,7 @@ def cmd_summary(args) -> None:
     for r in by("load"):
         tag = (f"{'engine process' if r.get('engine_process', True) else 'one process'}, budget {r['budget_tokens']}"
                + (f", prefill cap {r['prefill_cap']}" if r.get("prefill_cap") else "")
+               + (f", pacing {r['prefill_pacing']}" if r.get("prefill_pacing") is not None else "")
                + (f", {r['attention_kernel']} attention" if r.get("attention_kernel", "auto") != "auto" else ""))
         if r.get("requests_done", 0) == 0:
             print(f"SUMMARY (c) load rate {r.get('rate_rps')}: no request completed ({r.get('errors')} errors)")
@@ -689,6 +693,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-offline", action="store_true", help="load: do not measure the offline throughput")
     p.add_argument("--max-prefill-tokens-per-step", type=int, help="load: zserve's cap on prompt tokens per step "
                    "while sequences decode (0: none; default: zserve's)")
+    p.add_argument("--prefill-pacing-steps", type=int, help="load: zserve's prefill pacing (0: none; "
+                   "default: zserve's)")
     p.add_argument("--attention-kernel", choices=("auto", "sdpa", "triton"), default="auto",
                    help="offline runner and zserve: attention through SDPA or the Triton slot kernel")
     p.add_argument("--step-log", help="load: zserve appends a JSON line per step here (rows carry t_start/t_end "

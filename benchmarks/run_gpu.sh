@@ -63,17 +63,20 @@ serve_section() {  # SERVE_DRY=1: the same steps on the CPU with the tiny preset
   serve_step b-zero-inference 130 python3 $B zero-inference "${big[@]}" "${capped[@]}" --engine $engine
   # the load test once per LOAD_MODES ("process inproc": zserve's engine in a process of its own, its default, or
   # in its gRPC process), LOAD_BUDGETS (step token budget), LOAD_CAPS (prompt tokens per step while decoding;
-  # 0: no cap) and LOAD_ATTNS ("auto sdpa triton": attention); each zserve writes its step log to
-  # $OUT/steps-MODE-BUDGET-CAP-ATTN.jsonl
-  local budget mode cap attn
+  # 0: no cap), LOAD_PACES (prefill pacing steps; 0: none) and LOAD_ATTNS ("auto sdpa triton": attention); each
+  # zserve writes its step log to $OUT/steps-MODE-BUDGET-CAP-PACE-ATTN.jsonl
+  local budget mode cap pace attn
   for mode in ${LOAD_MODES:-process}; do
     for budget in ${LOAD_BUDGETS:-2048}; do
       for cap in ${LOAD_CAPS:-96}; do
-        for attn in ${LOAD_ATTNS:-auto}; do
-          serve_step c-load 150 ${pyenv[@]+"${pyenv[@]}"} python3 $B load "${big[@]}" --offload none --batch 1 32 \
-            "${load_lens[@]}" --requests 64 --rate-fractions 0.5 0.8 --max-seconds 12 \
-            --max-num-batched-tokens $budget --max-prefill-tokens-per-step $cap --attention-kernel $attn \
-            --step-log "$OUT/steps-$mode-$budget-$cap-$attn.jsonl" $([[ $mode == inproc ]] && echo --no-engine-process)
+        for pace in ${LOAD_PACES:-0}; do
+          for attn in ${LOAD_ATTNS:-auto}; do
+            serve_step c-load 150 ${pyenv[@]+"${pyenv[@]}"} python3 $B load "${big[@]}" --offload none \
+              --batch 1 32 "${load_lens[@]}" --requests 64 --rate-fractions 0.5 0.8 --max-seconds 12 \
+              --max-num-batched-tokens $budget --max-prefill-tokens-per-step $cap --prefill-pacing-steps $pace \
+              --attention-kernel $attn --step-log "$OUT/steps-$mode-$budget-$cap-$pace-$attn.jsonl" \
+              $([[ $mode == inproc ]] && echo --no-engine-process)
+          done
         done
       done
     done

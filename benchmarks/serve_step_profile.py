@@ -61,15 +61,16 @@ def copy_gaps(prof, layers: int) -> None:
 
 def check(model, batch: int, prompt_len: int, steps: int, chunk: int = 32) -> None:
     """Greedy tokens of ``batch`` different prompts, ``steps`` each: with graphs, without, with graphs and the
-    prompts fed in ``chunk``-token pieces, and with graphs and the Triton attention kernel; how many differ
-    from the first."""
+    prompts fed in ``chunk``-token pieces, with piecewise graphs around the Triton attention kernel, and with
+    whole-step graphs; how many differ from the first (the last from the Triton piecewise run: same kernels)."""
     sp = SamplingParams()
     vocab = model.description.vocab_size
     prompts = [tuple((7 * i + 13 * j) % (vocab - 1) + 1 for j in range(prompt_len)) for i in range(batch)]
     outputs = {}
-    for mode in ("graphs", "eager", "chunked", "triton"):
+    for mode in ("graphs", "eager", "chunked", "triton", "triton-whole"):
         runner = ModelRunner(model, max_batch_size=batch, max_model_len=prompt_len + steps + 1,
-                             graphs=mode != "eager", attention_kernel="triton" if mode == "triton" else "sdpa")
+                             graphs=mode != "eager", attention_kernel="triton" if "triton" in mode else "sdpa",
+                             whole_step=mode == "triton-whole")
         pieces = [(0, prompt_len)] if mode != "chunked" else \
             [(a, min(a + chunk, prompt_len)) for a in range(0, prompt_len, chunk)]
         for k, (a, b) in enumerate(pieces):
@@ -83,11 +84,11 @@ def check(model, batch: int, prompt_len: int, steps: int, chunk: int = 32) -> No
                 tokens[i].append(out[i][0])
         outputs[mode] = tokens
         del runner
-    for mode in ("eager", "chunked", "triton"):
+    for base, mode in (("graphs", "eager"), ("graphs", "chunked"), ("graphs", "triton"), ("triton", "triton-whole")):
         first_diff = [next((k for k, (a, b) in enumerate(zip(x, y)) if a != b), None)
-                      for x, y in zip(outputs["graphs"], outputs[mode])]
+                      for x, y in zip(outputs[base], outputs[mode])]
         same = sum(d is None for d in first_diff)
-        print(f"check: {same}/{batch} sequences identical over {steps} greedy tokens, graphs vs {mode}; "
+        print(f"check: {same}/{batch} sequences identical over {steps} greedy tokens, {base} vs {mode}; "
               f"first differences at steps {[d for d in first_diff if d is not None]}", flush=True)
 
 
@@ -115,8 +116,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--offload", choices=("none", "cpu"), default="none")
     ap.add_argument("--window", type=int, default=3)
-    ap.add_argument("--graphs", choices=("auto", "on", "off"), default="auto",
-                    help="the runner's piecewise CUDA graphs ([Note: piecewise graphs]); auto: where supported")
+    ap.add_argument("--graphs", choices=("auto", "on", "off", "piecewise"), default="auto",
+                    help="the runner's CUDA graphs (auto: where supported; with the Triton kernel one per step, "
+                    "[Note: whole-step graphs]; piecewise: graphs around each layer's attention even then)")
     ap.add_argument("--attention-kernel", choices=("sdpa", "triton"), default="sdpa",
                     help="the runner's attention (the timed runs; --check compares both)")
     ap.add_argument("--check", type=int, default=0, help="first generate this many greedy tokens per sequence "
@@ -129,11 +131,12 @@ def main() -> None:
         write_random_checkpoint(args.preset, folder, num_layers=args.num_layers)
     model = load_model(LoadConfig(model=str(folder), offload=args.offload, window=args.window, progress=False))
     sp = SamplingParams()
-    graphs = {"auto": None, "on": True, "off": False}[args.graphs]
+    graphs = {"auto": None, "on": True, "off": False, "piecewise": True}[args.graphs]
     if args.check:
         check(model, max(args.batch), args.prompt_len, args.check)
     for batch in args.batch:
         runner = ModelRunner(model, max_batch_size=batch + 1, graphs=graphs, attention_kernel=args.attention_kernel,
+                             whole_step=args.graphs != "piecewise",
                              max_model_len=args.prompt_len + 64 + args.series + 4 * args.repeat)
         prompt = tuple(range(1, args.prompt_len + 1))
         runner.step(SchedulerOutput(step=0, prefills=tuple(PrefillChunk(i, prompt, 0, True, sp)
@@ -164,6 +167,8 @@ def main() -> None:
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+            if torch.cuda.is_available():  # the device side: kernels (inside graphs too), by device time
+                print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25))
             copy_gaps(prof, layers)
         if args.series and batch == max(args.batch):
             series(decode, args.series, runner.max_model_len - pos[0] - 1)

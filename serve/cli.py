@@ -85,6 +85,9 @@ def _serve_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-prefill-tokens-per-step", type=int, default=96,
                    help="prompt tokens a step may feed while sequences decode (evens out inter-token gaps; "
                         "lifted while requests queue up); 0: no cap (default: 96)")
+    b.add_argument("--prefill-pacing-steps", type=int, default=0,
+                   help="under the cap, feed pending prompt tokens over about this many steps (chunks of at "
+                        "least 32 tokens); 0: the whole cap (default: 0)")
     b.add_argument("--max-model-len", type=int, help="prompt + output tokens (default: model's, at most 4096)")
     b.add_argument("--max-prompt-tokens", type=int, help="default: max-model-len - 1")
     b.add_argument("--max-new-tokens", type=int, default=2048, help="cap on a request's max_new_tokens")
@@ -156,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.prefill_pacing_steps < 0:
+        raise ValueError(f"--prefill-pacing-steps must be >= 0 (0: no pacing), got {args.prefill_pacing_steps}")
     if args.max_prefill_tokens_per_step < 0:
         raise ValueError("--max-prefill-tokens-per-step must be >= 0 (0: no cap), "
                          f"got {args.max_prefill_tokens_per_step}")
@@ -169,7 +174,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert, tls_key=args.tls_key, auth_token=args.auth_token or None,
         max_batch_size=args.max_batch_size, max_num_batched_tokens=args.max_num_batched_tokens,
         max_queue_size=args.max_queue_size, max_queue_delay_ms=args.max_queue_delay_ms,
-        max_prefill_tokens_per_step=args.max_prefill_tokens_per_step or None, max_model_len=args.max_model_len,
+        max_prefill_tokens_per_step=args.max_prefill_tokens_per_step or None,
+        prefill_pacing_steps=args.prefill_pacing_steps or None, max_model_len=args.max_model_len,
         max_prompt_tokens=args.max_prompt_tokens,
         max_new_tokens=args.max_new_tokens, default_max_new_tokens=args.default_max_new_tokens,
         max_message_bytes=args.max_message_bytes, drain_timeout_s=args.drain_timeout, step_log=args.step_log,

@@ -30,15 +30,19 @@ class KVCacheConfig:
     slots: int
     max_len: int
     dtype: torch.dtype = torch.float32
+    # A slot no sequence ever gets, written by the padded rows of graphed steps ([Note: whole-step graphs]).
+    scratch_slots: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "slots", "max_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"KVCacheConfig.{name}={getattr(self, name)}: must be >= 1")
+        if self.scratch_slots not in (0, 1):
+            raise ValueError(f"KVCacheConfig.scratch_slots={self.scratch_slots}: must be 0 or 1")
 
     @property
     def nbytes(self) -> int:
-        entries = self.num_layers * self.slots * self.num_kv_heads * self.max_len * self.head_dim
+        entries = self.num_layers * (self.slots + self.scratch_slots) * self.num_kv_heads * self.max_len * self.head_dim
         return 2 * entries * torch.empty((), dtype=self.dtype).element_size()
 
 
@@ -51,7 +55,8 @@ class KVCache:
 
     def __init__(self, config: KVCacheConfig, *, device: DeviceHandle) -> None:
         self.config = config
-        shape = (config.num_layers, config.slots, config.num_kv_heads, config.max_len, config.head_dim)
+        shape = (config.num_layers, config.slots + config.scratch_slots, config.num_kv_heads, config.max_len,
+                 config.head_dim)
         self.keys = device.empty(shape, dtype=config.dtype)
         self.values = device.empty(shape, dtype=config.dtype)
         self._free = list(range(config.slots - 1, -1, -1))
@@ -79,6 +84,11 @@ class KVCache:
             return self._slot_of[seq_id]
         except KeyError:
             raise KeyError(f"sequence {seq_id} has no KV slot (was its first prefill chunk run?)") from None
+
+    @property
+    def scratch_slot(self) -> int | None:
+        """The index of the slot no sequence gets (None without one)."""
+        return self.config.slots if self.config.scratch_slots else None
 
     @property
     def num_free(self) -> int:

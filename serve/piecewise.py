@@ -1,4 +1,6 @@
-"""Resident decoder layers run as captured CUDA graphs around eager attention.
+"""Resident decoder layers run as captured CUDA graphs around eager attention (SDPA; with the Triton slot
+attention a whole step is one graph instead: [Note: whole-step graphs] in step_graphs.py, which reuses the
+layer halves and bucket buffers defined here).
 
 [Note: piecewise graphs] A serving step is host-bound on a GPU: a Llama layer
 launches ~50 kernels, and measured on an H100 (session 4, Llama-8B shape,
@@ -59,7 +61,7 @@ def _rotary_of(layer: nn.Module):
 
 
 @dataclass(eq=False)
-class _Buffers:
+class Buffers:
     """The static tensors of one bucket: every graph of the bucket reads and writes these."""
 
     hidden: torch.Tensor  # (n, hidden): the layer's input, then its output
@@ -85,13 +87,13 @@ class PiecewiseLayers:
         self._rotary = _rotary_of(self.layers[0])
         attn = self.layers[0].self_attn
         weight = attn.q_proj.weight if hasattr(attn.q_proj, "weight") else next(attn.q_proj.buffers())
-        self._device = weight.device
+        self.device = weight.device
         self._dtype = next(p for p in self.layers[0].input_layernorm.parameters()).dtype
         self._head_dim = attn.head_dim
         self._heads = attn.q_proj.out_features // attn.head_dim
         self._kv_heads = attn.k_proj.out_features // attn.head_dim
         self._hidden = attn.o_proj.out_features
-        self._buffers: dict[int, _Buffers] = {}
+        self._buffers: dict[int, Buffers] = {}
         self._graphs: dict[int, list[tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
 
@@ -103,7 +105,7 @@ class PiecewiseLayers:
         with torch.inference_mode():
             for n in self.buckets:
                 if n not in self._graphs:
-                    self._capture(self._bucket_buffers(n))
+                    self._capture(self.bucket_buffers(n))
         log.info("piecewise graphs: %d buckets of up to %d tokens captured in %.1fs", len(self.buckets),
                  self.buckets[-1], time.perf_counter() - start)
 
@@ -119,11 +121,7 @@ class PiecewiseLayers:
         ``attention(i)`` the :class:`LayerAttention` of layer i. Returns ``(1, N, hidden)`` (a view of the
         bucket's buffer, valid until the next call)."""
         n_real = hidden.shape[1]
-        bufs = self._bucket_buffers(self.bucket(n_real))
-        bufs.hidden[:n_real].copy_(hidden[0])
-        bufs.hidden[n_real:].zero_()
-        bufs.cos[:n_real].copy_(rotary[0][0])
-        bufs.sin[:n_real].copy_(rotary[1][0])
+        bufs = self.load_inputs(hidden, rotary)
         graphs = self._graphs.get(bufs.hidden.shape[0]) if self.capture else None
         if self.capture and graphs is None:
             graphs = self._capture(bufs)
@@ -131,7 +129,7 @@ class PiecewiseLayers:
             if graphs is not None:
                 graphs[i][0].replay()
             else:
-                self._pre(layer, bufs)
+                self.pre(layer, bufs)
             attn = layer.self_attn
             out, _ = slot_attention(attn, bufs.q[:, :, :n_real], bufs.k[:, :, :n_real], bufs.v[:, :, :n_real],
                                     None, scaling=attn.scaling, zspeed=attention(i),
@@ -140,11 +138,22 @@ class PiecewiseLayers:
             if graphs is not None:
                 graphs[i][1].replay()
             else:
-                self._post(layer, bufs)
+                self.post(layer, bufs)
         return bufs.hidden[:n_real][None]
 
+    def load_inputs(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> Buffers:
+        """The buffers of ``hidden``'s bucket, holding ``hidden`` ``(1, N, hidden)`` and ``rotary`` in their first
+        ``N`` rows and zeros in the hidden rows past them."""
+        n_real = hidden.shape[1]
+        bufs = self.bucket_buffers(self.bucket(n_real))
+        bufs.hidden[:n_real].copy_(hidden[0])
+        bufs.hidden[n_real:].zero_()
+        bufs.cos[:n_real].copy_(rotary[0][0])
+        bufs.sin[:n_real].copy_(rotary[1][0])
+        return bufs
+
     # -- the two halves of a layer ---------------------------------------------------
-    def _pre(self, layer: nn.Module, bufs: _Buffers) -> None:
+    def pre(self, layer: nn.Module, bufs: Buffers) -> None:
         attn = layer.self_attn
         n = bufs.hidden.shape[0]
         bufs.residual.copy_(bufs.hidden)
@@ -158,25 +167,25 @@ class PiecewiseLayers:
         bufs.v.copy_(v)
 
     @staticmethod
-    def _post(layer: nn.Module, bufs: _Buffers) -> None:
+    def post(layer: nn.Module, bufs: Buffers) -> None:
         h = bufs.residual + layer.self_attn.o_proj(bufs.attn_out)
         bufs.hidden.copy_(h + layer.mlp(layer.post_attention_layernorm(h)))
 
     # -- buffers and capture ---------------------------------------------------------
-    def _bucket_buffers(self, n: int) -> _Buffers:
+    def bucket_buffers(self, n: int) -> Buffers:
         bufs = self._buffers.get(n)
         if bufs is None:
             def zeros(*shape: int) -> torch.Tensor:
-                return torch.zeros(shape, device=self._device, dtype=self._dtype)
+                return torch.zeros(shape, device=self.device, dtype=self._dtype)
 
             d = self._head_dim
-            bufs = self._buffers[n] = _Buffers(
+            bufs = self._buffers[n] = Buffers(
                 hidden=zeros(n, self._hidden), residual=zeros(n, self._hidden), cos=zeros(n, d), sin=zeros(n, d),
                 q=zeros(1, self._heads, n, d), k=zeros(1, self._kv_heads, n, d), v=zeros(1, self._kv_heads, n, d),
                 attn_out=zeros(n, self._heads * d))
         return bufs
 
-    def _capture(self, bufs: _Buffers) -> list[tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]]:
+    def _capture(self, bufs: Buffers) -> list[tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph]]:
         n = bufs.hidden.shape[0]
         start = time.perf_counter()
         saved = {name: getattr(bufs, name).clone() for name in ("hidden", "cos", "sin")}
@@ -184,16 +193,16 @@ class PiecewiseLayers:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: library handles, workspaces, Triton tuning, outside any capture
             for layer in self.layers:
-                self._pre(layer, bufs)
-                self._post(layer, bufs)
+                self.pre(layer, bufs)
+                self.post(layer, bufs)
         torch.cuda.current_stream().wait_stream(side)
         graphs = []
         for layer in self.layers:
             pre, post = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             with torch.cuda.graph(pre, pool=self._pool):
-                self._pre(layer, bufs)
+                self.pre(layer, bufs)
             with torch.cuda.graph(post, pool=self._pool):
-                self._post(layer, bufs)
+                self.post(layer, bufs)
             graphs.append((pre, post))
         for name, value in saved.items():  # the warm-up overwrote this step's inputs
             getattr(bufs, name).copy_(value)

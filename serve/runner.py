@@ -32,6 +32,7 @@ from .piecewise import PiecewiseLayers, splittable
 from .request import SamplingParams
 from .sampling import Sampler
 from .scheduler import RunnerOutput, SchedulerOutput
+from .step_graphs import StepGraphs
 
 log = logging.getLogger("zspeed.serve")
 
@@ -71,19 +72,23 @@ class ModelRunner:
         max_batch_size: sequences at once (KV slots); the scheduler's ``max_batch_size``.
         max_model_len: prompt + output tokens of one sequence; the scheduler's ``max_model_len``.
         observer: told streamed bytes, stalls and device memory after each step.
-        graphs: run resident layers as CUDA graphs around eager attention ([Note: piecewise graphs]):
-            None (default) where the device is CUDA, the layers resident and of a Llama-family kind;
-            True also elsewhere (without CUDA the split runs eagerly: for tests); False never.
+        graphs: run resident layers as CUDA graphs: with the Triton attention kernel each step's layers as
+            one graph ([Note: whole-step graphs]), else two graphs per layer around eager attention ([Note:
+            piecewise graphs]). None (default) where the device is CUDA, the layers resident and of a
+            Llama-family kind; True also elsewhere (without CUDA the same padded steps run eagerly: for
+            tests); False never.
         attention_kernel: ``"triton"``: each layer's attention (decode tokens and prompt chunks) in one
             Triton kernel over the cache ([Note: slot attention kernel] in zspeed.kernels.attention; on a
             CPU only under ``TRITON_INTERPRET=1``); ``"sdpa"``: torch SDPA per prompt chunk and over a
             gathered batch of decodes; ``"auto"`` (default): Triton on a CUDA device when Triton is installed
             and the head size is a power of two, SDPA elsewhere.
+        whole_step: with graphs and the Triton kernel, one graph per step (default); False: the piecewise
+            graphs around the kernel (for comparisons).
     """
 
     def __init__(self, model: LoadedModel, *, max_batch_size: int, max_model_len: int,
                  observer: RunnerObserver | None = None, graphs: bool | None = None,
-                 attention_kernel: str = "auto") -> None:
+                 attention_kernel: str = "auto", whole_step: bool = True) -> None:
         if attention_kernel not in ("auto", "sdpa", "triton"):
             raise ValueError(f"attention_kernel must be 'auto', 'sdpa' or 'triton', got {attention_kernel!r}")
         desc = model.description
@@ -105,27 +110,47 @@ class ModelRunner:
         self.model = model
         self.device = model.device
         self.max_model_len = max_model_len
+        split = self._split(graphs)
+        whole = split and self._attention_kernel and whole_step  # [Note: whole-step graphs]
         self.cache = KVCache(KVCacheConfig(num_layers=desc.num_layers, num_kv_heads=desc.num_kv_heads,
                                            head_dim=desc.head_dim, slots=max_batch_size, max_len=max_model_len,
-                                           dtype=desc.dtype), device=model.device)
+                                           dtype=desc.dtype, scratch_slots=int(whole)), device=model.device)
         self.sampler = Sampler(model.device.device)
         self._observer = observer
-        self._pieces = self._piecewise(graphs)
+        self._pieces = self._whole = None
+        if whole:
+            self._whole = self._step_graphs(max_batch_size)
+        elif split:
+            self._pieces = self._piecewise()
         log.info("KV cache: %d slots x %d tokens, %.3g GB on %s", max_batch_size, max_model_len,
                  self.cache.config.nbytes / 1e9, self.device)
 
-    def _piecewise(self, graphs: bool | None) -> PiecewiseLayers | None:
+    def _split(self, graphs: bool | None) -> bool:
+        """Whether the layers run as graphs (eagerly split without CUDA), as ``graphs`` asks."""
         layers, cuda = self.model.layers, self.device.device.type == "cuda"
         resident = isinstance(layers, ResidentLayers) and all(splittable(m) for m in layers.modules)
         if graphs is False or (graphs is None and not (cuda and resident)):
-            return None
+            return False
         if not resident:
             raise ValueError("graphs=True needs resident (--offload none) Llama-family decoder layers")
+        return True
+
+    def _piecewise(self) -> PiecewiseLayers:
+        cuda = self.device.device.type == "cuda"
         log.info("decoder layers run as CUDA graphs around attention" if cuda else
                  "decoder layers run split around attention (no CUDA: not captured)")
-        pieces = PiecewiseLayers(layers.modules, capture=cuda)
+        pieces = PiecewiseLayers(self.model.layers.modules, capture=cuda)
         pieces.capture_all()
         return pieces
+
+    def _step_graphs(self, max_batch_size: int) -> StepGraphs:
+        cuda = self.device.device.type == "cuda"
+        log.info("each step's decoder layers run as one CUDA graph" if cuda else
+                 "each step's decoder layers run padded as one graph would (no CUDA: not captured)")
+        pieces = PiecewiseLayers(self.model.layers.modules, capture=False)
+        whole = StepGraphs(pieces, self.cache, capture=cuda, max_batch_size=max_batch_size)
+        whole.capture_all()
+        return whole
 
     def kv_capacity(self) -> int:
         """For the scheduler's ``kv_capacity``: entries of all slots together."""
@@ -188,6 +213,13 @@ class ModelRunner:
             block_m = 1 if all(seg.length == 1 for seg in plan.segments) else ATTENTION_BLOCK_M
             work_items = attention_work(((seg.slot, seg.start, seg.offset, seg.length) for seg in plan.segments),
                                         block_m)
+            if self._whole is not None and self._whole.fits(len(plan.token_ids)):
+                ids, positions, _, rows, _ = self._inputs(plan, ())
+                hidden = self.model.embed(ids)  # (1, N, hidden)
+                rotary = self.model.rotary(hidden, positions)
+                hidden = self._whole.run(hidden, rotary, slots=plan.slots, positions=plan.positions,
+                                         work=work_items, block_m=block_m)
+                return hidden[0].index_select(0, rows)  # (S, hidden)
             ids, positions, slots, rows, work = self._inputs(plan, (), extra=work_items)
             chunks, decode, masks = (), None, ()
         else:

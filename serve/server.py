@@ -76,6 +76,7 @@ class ServerConfig:
     max_queue_size: int = 64
     max_queue_delay_ms: float = 0.0
     max_prefill_tokens_per_step: int | None = 96  # None: no cap ([Note: prefill cap default] in scheduler.py)
+    prefill_pacing_steps: int | None = None  # None: the whole cap ([Note: prefill pacing] in scheduler.py)
     max_model_len: int | None = None
     max_prompt_tokens: int | None = None
     max_new_tokens: int = 2048
@@ -276,7 +277,8 @@ def build_engine(model: LoadedModel, config: ServerConfig, *, observer: ServeMet
     scheduler = Scheduler(
         SchedulerConfig(max_batch_size=config.max_batch_size, max_num_batched_tokens=config.max_num_batched_tokens,
                         max_queue_size=config.max_queue_size, max_queue_delay_ms=config.max_queue_delay_ms,
-                        max_prefill_tokens_per_step=config.max_prefill_tokens_per_step, max_model_len=max_model_len,
+                        max_prefill_tokens_per_step=config.max_prefill_tokens_per_step,
+                        prefill_pacing_steps=config.prefill_pacing_steps, max_model_len=max_model_len,
                         eos_token_ids=frozenset(desc.eos_token_ids)),
         kv_capacity=runner.kv_capacity, detokenize=model.tokenizer.decode, observer=observer,
     )

@@ -132,9 +132,11 @@ def test_model_info_health_and_reflection(server, client):
         assert db.FindFileContainingSymbol(SERVICE_NAME).name == "zspeed/serve/v1/serve.proto"
 
 
-def test_zserve_refuses_a_negative_prefill_cap(capsys):
+def test_zserve_refuses_a_negative_prefill_cap_or_pacing(capsys):
     assert zserve_main(["--model", "tiny", "--random-weights", "--max-prefill-tokens-per-step", "-1"]) == 2
     assert "--max-prefill-tokens-per-step must be >= 0 (0: no cap), got -1" in capsys.readouterr().err
+    assert zserve_main(["--model", "tiny", "--random-weights", "--prefill-pacing-steps", "-2"]) == 2
+    assert "--prefill-pacing-steps must be >= 0 (0: no pacing), got -2" in capsys.readouterr().err
 
 
 def test_zserve_query_command(server, reference, capsys):

@@ -43,13 +43,16 @@ def smollm2(tmp_path_factory):
     return folder, prompts, want
 
 
-@pytest.mark.parametrize("kernel", ["sdpa", "triton"])
-def test_smollm2_greedy_matches_hf_generate(smollm2, kernel, monkeypatch):
+@pytest.mark.parametrize("kernel,graphs", [("sdpa", None), ("triton", None), ("triton", True)],
+                         ids=["sdpa", "triton", "triton-whole-step"])
+def test_smollm2_greedy_matches_hf_generate(smollm2, kernel, graphs, monkeypatch):
     folder, prompts, want = smollm2
     if kernel == "triton":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     model = load_model(LoadConfig(model=str(folder), device="cpu", dtype="float32", progress=False))
-    runner = ModelRunner(model, max_batch_size=4, max_model_len=256, attention_kernel=kernel)
+    # graphs=True with Triton: padded steps as the whole-step graphs run them ([Note: whole-step graphs])
+    runner = ModelRunner(model, max_batch_size=4, max_model_len=256, attention_kernel=kernel, graphs=graphs)
+    assert (runner._whole is not None) == bool(graphs)
     config = SchedulerConfig(max_batch_size=4, max_num_batched_tokens=16, max_model_len=256,  # chunked prefill
                              eos_token_ids=frozenset())
     with EngineLoop(Scheduler(config, kv_capacity=runner.kv_capacity), runner) as engine:

@@ -103,6 +103,11 @@ def test_triton_slot_attention_matches_hf_generate(tiny_dir, reference, monkeypa
     calls = []
     monkeypatch.setattr(kernel, "slot_attention",
                         lambda *a, _f=kernel.slot_attention, **k: calls.append(k["block_m"]) or _f(*a, **k))
+    from zspeed.serve import step_graphs
+
+    rows = []
+    monkeypatch.setattr(step_graphs.StepGraphs, "run", lambda self, h, *a, _run=step_graphs.StepGraphs.run, **k:
+                        rows.append(h.shape[1]) or _run(self, h, *a, **k))
     model = load_tiny(tiny_dir)
     runner = ModelRunner(model, max_batch_size=4, max_model_len=256, graphs=graphs, attention_kernel="triton")
     config = SchedulerConfig(max_batch_size=4, max_num_batched_tokens=16, max_model_len=256,
@@ -112,6 +117,12 @@ def test_triton_slot_attention_matches_hf_generate(tiny_dir, reference, monkeypa
     for prompt, result in zip(PROMPTS, results):
         assert result.token_ids == reference.greedy(prompt), f"prompt of {len(prompt)} tokens"
     assert set(calls) == {1, kernel.BLOCK_M}, "decode-only steps and steps with prompt chunks"
+    if graphs:  # [Note: whole-step graphs], run eagerly: padded rows write the scratch slot, never a sequence's
+        assert runner._whole is not None and runner._pieces is None
+        assert runner.cache.scratch_slot == 4 and runner.cache.keys.shape[1] == 5 and runner.cache.num_free == 4
+        assert any(runner._whole.pieces.bucket(n) > n for n in rows), "some steps ran with padded rows"
+    else:
+        assert rows == []
     with pytest.raises(ValueError, match="attention_kernel"):
         ModelRunner(model, max_batch_size=1, max_model_len=64, attention_kernel="flash")
     monkeypatch.delenv("TRITON_INTERPRET")

@@ -560,6 +560,43 @@ def test_prefill_cap_applies_only_while_sequences_decode():
         SchedulerConfig(max_prefill_tokens_per_step=0)
 
 
+def test_prefill_pacing_spreads_pending_prompt_tokens_under_the_cap():
+    """[Note: prefill pacing]: while sequences decode, a step feeds pending prompt tokens / pacing steps (at least
+    PACING_MIN_CHUNK, at most the cap); more pending raises the allowance; nothing decoding: the whole budget."""
+    from zspeed.serve.scheduler import PACING_MIN_CHUNK
+
+    assert PACING_MIN_CHUNK == 32
+    cfg = SchedulerConfig(max_batch_size=16, max_num_batched_tokens=512, max_prefill_tokens_per_step=96,
+                          prefill_pacing_steps=4)
+    sched, runner = Scheduler(cfg), FakeRunner()
+    sched.add_request(req("a", [1, 2], max_new_tokens=40))
+    step(sched, runner)
+    sched.add_request(req("b", list(range(1, 129)), max_new_tokens=2))  # a lone 128-token prompt
+    sizes = []
+    while not sizes or runner.batches[-1].prefills:
+        sizes.append(step(sched, runner).num_prefill_tokens)
+    assert sizes[:-1] == [32, 32, 32, 32], "128 / 4 steps: four chunks of 32"
+    sched.add_request(req("c", list(range(1, 201)), max_new_tokens=2))
+    sched.add_request(req("d", list(range(1, 201)), max_new_tokens=2))
+    assert step(sched, runner).num_prefill_tokens == 96, "400 pending / 4 = 100: the cap"
+    assert step(sched, runner).num_prefill_tokens == 76, "304 pending / 4"
+    assert step(sched, runner).num_prefill_tokens == 57, "228 pending / 4, rounded up"
+    events = sched.pop_events() + run_all(sched, runner)
+    out = outputs(events)
+    assert out["b"] == reference(range(1, 129), 2) and out["c"] == out["d"] == reference(range(1, 201), 2)
+    idle = Scheduler(cfg)
+    idle.add_request(req("e", list(range(1, 301)), max_new_tokens=2))
+    assert step(idle, FakeRunner()).num_prefill_tokens == 300, "nothing decodes: no cap, no pacing"
+    unpaced = Scheduler(SchedulerConfig(max_batch_size=16, max_num_batched_tokens=512, max_prefill_tokens_per_step=96))
+    runner = FakeRunner()
+    unpaced.add_request(req("a", [1, 2], max_new_tokens=8))
+    step(unpaced, runner)
+    unpaced.add_request(req("b", list(range(1, 129)), max_new_tokens=2))
+    assert step(unpaced, runner).num_prefill_tokens == 96, "without pacing: the whole cap"
+    with pytest.raises(ValueError, match="prefill_pacing_steps must be >= 1"):
+        SchedulerConfig(prefill_pacing_steps=0)
+
+
 # -- invariants under random load -------------------------------------------------------------
 @pytest.mark.parametrize("chunked", [True, False])
 @pytest.mark.parametrize("seed", [0, 1, 2])
