@@ -8,7 +8,8 @@ bf16, AdamW, clip 1.0) through benchmarks/bench_train.py: ZeRO-2 with CPU optimi
 (zspeed-z2-offload, deepspeed-z2-offload) and ZeRO-3 with CPU optimizer offload on 2 GPUs
 (zspeed-z3-offload, deepspeed-z3-offload), each zspeed system also with the delayed parameter update
 (``-dpu``: offload_optimizer.delayed_update, one update stale after 2 exact steps) and, on 1 GPU, without
-clipping (``-noclip``: the exact update starts per group during backward). Targets (issue 4): zspeed ≥ 2× DeepSpeed's tokens/s at
+clipping (``-noclip``: the exact update starts per group during backward) and with the speculative update
+(``-spec``: clipping on, exact). Targets (issue 4): zspeed ≥ 2× DeepSpeed's tokens/s at
 ZeRO-2 on 1 GPU at no more GPU memory, ≥ 3× at ZeRO-3 on 2 GPUs.
 
 capacity: on one GPU, each (model size, system) in its own process: Llama-shaped models up to the
@@ -40,8 +41,9 @@ SIZES = {  # hidden, layers, heads, kv heads, ffn, vocab
     "3b": (3072, 28, 24, 8, 8192, 128256),
     "8b": (4096, 32, 32, 8, 14336, 128256),
 }
-THROUGHPUT_SETS = ((1, "zspeed-z2-offload,zspeed-z2-offload-dpu,zspeed-z2-offload-noclip,deepspeed-z2-offload"),
-                   (2, "zspeed-z3-offload,zspeed-z3-offload-dpu,deepspeed-z3-offload"))
+THROUGHPUT_SETS = ((1, "zspeed-z2-offload,zspeed-z2-offload-spec,zspeed-z2-offload-dpu,zspeed-z2-offload-noclip,"
+                       "deepspeed-z2-offload"),
+                   (2, "zspeed-z3-offload,zspeed-z3-offload-spec,zspeed-z3-offload-dpu,deepspeed-z3-offload"))
 CAPACITY_SYSTEMS = ["zspeed-z3-offload", "deepspeed-z3-offload", "zspeed-z2-offload", "deepspeed-z2-offload"]
 
 
@@ -160,14 +162,15 @@ def throughput_driver(args) -> list[dict]:
         subprocess.run(cmd, check=False)
         if out.is_file():
             rows += json.loads(out.read_text())
-    for pair in (("zspeed-z2-offload", "deepspeed-z2-offload"), ("zspeed-z2-offload-dpu", "deepspeed-z2-offload"),
-                 ("zspeed-z2-offload-noclip", "deepspeed-z2-offload"), ("zspeed-z3-offload", "deepspeed-z3-offload"),
-                 ("zspeed-z3-offload-dpu", "deepspeed-z3-offload")):
+    pairs = [(f"zspeed-z{s}-offload{v}", f"deepspeed-z{s}-offload") for s in (2, 3)
+             for v in ("", "-spec", "-dpu", "-noclip")]
+    for pair in pairs:
         got = {r["system"]: r for r in rows if r["system"] in pair and "error" not in r}
         if len(got) == 2:
             z, d = got[pair[0]], got[pair[1]]
             print(f"{pair[0]}: {z['tokens_per_s_per_gpu'] / d['tokens_per_s_per_gpu']:.2f}x DeepSpeed's tokens/s, "
-                  f"peak {z['peak_gib']:.1f} vs {d['peak_gib']:.1f} GiB")
+                  f"peak {z['peak_gib']:.1f} vs {d['peak_gib']:.1f} GiB"
+                  + (f"; speculation {z['speculation']}" if "speculation" in z else ""))
     return rows
 
 

@@ -24,11 +24,14 @@ from pathlib import Path
 
 SYSTEMS = ["plain", "ddp", "fsdp2", "deepspeed-z2", "deepspeed-z3", "zspeed-z2", "zspeed-z3", "zspeed-z1",
            "deepspeed-z1", "zspeed-z2-offload", "deepspeed-z2-offload", "zspeed-z3-offload", "deepspeed-z3-offload",
-           "zspeed-z2-offload-dpu", "zspeed-z3-offload-dpu", "zspeed-z2-offload-noclip"]
+           "zspeed-z2-offload-dpu", "zspeed-z3-offload-dpu", "zspeed-z2-offload-noclip", "zspeed-z2-offload-spec",
+           "zspeed-z3-offload-spec"]
 PEAK_TFLOPS = 989.0
 # ``-dpu``: zspeed's delayed parameter update (offload_optimizer.delayed_update, a zspeed extension) after this
 # many exact steps, fewer than the warm-up steps, so every timed step is delayed. ``-noclip``: gradient_clipping 0,
-# where zspeed starts each group's CPU update during backward (exact; see train/offload.py).
+# where zspeed starts each group's CPU update during backward (exact; see train/offload.py). ``-spec``: clipping
+# on, with offload_optimizer.speculative_update (exact; the update starts during backward as if the clip will not
+# fire and is redone if it does; the row counts the steps whose speculation was kept and dropped).
 DPU_WARMUP = 2
 
 
@@ -40,13 +43,16 @@ def llama_config(args):
                        tie_word_embeddings=False)
 
 
-def ds_config(args, stage: int, offload: bool, *, delayed_update: int | None = None, clip: float = 1.0) -> dict:
+def ds_config(args, stage: int, offload: bool, *, delayed_update: int | None = None, clip: float = 1.0,
+              speculative: bool = False) -> dict:
     zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
             "reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         if delayed_update is not None:  # zspeed only: DeepSpeed rejects the key
             zero["offload_optimizer"]["delayed_update"] = delayed_update
+        if speculative:  # zspeed only
+            zero["offload_optimizer"]["speculative_update"] = True
     return {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
             "bf16": {"enabled": True}, "gradient_clipping": clip, "zero_optimization": zero,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8,
@@ -61,6 +67,7 @@ def engine_step(engine):
         engine.backward(loss)
         engine.step()
         return loss
+    step.engine = engine
     return step
 
 
@@ -72,7 +79,7 @@ def build(system: str, args, model, device):
     if system.startswith("zspeed"):
         import zspeed
         cfg = ds_config(args, stage, offload, delayed_update=DPU_WARMUP if system.endswith("-dpu") else None,
-                        clip=0.0 if system.endswith("-noclip") else 1.0)
+                        clip=0.0 if system.endswith("-noclip") else 1.0, speculative=system.endswith("-spec"))
         if offload and args.host_threads:
             cfg["zero_optimization"]["offload_optimizer"]["host_threads"] = args.host_threads
         engine, *_ = zspeed.initialize(model=model, config=cfg)
@@ -150,6 +157,9 @@ def run_one(args) -> None:
     row = dict(system=args.system, gpus=world, tokens_per_s_per_gpu=tokens, step_s=dt, peak_gib=peak.item(),
                mfu=tokens * flops_per_token / (PEAK_TFLOPS * 1e12), params=n_params,
                first_loss=float(losses[0]), last_loss=float(losses[-1]))
+    offload = getattr(getattr(step, "engine", None), "offload", None)
+    if getattr(offload, "speculative", False):  # zspeed -spec: how often the clip let the speculation stand
+        row["speculation"] = dict(offload.speculation)
     if args.memory_report:
         row["memory_report"] = memory_report(torch, device, Path(args.memory_report) / f"{args.system}-rank{rank}")
         row["timing_note"] = "memory history recorded: tokens/s not comparable"

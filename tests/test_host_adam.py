@@ -255,3 +255,29 @@ def test_lr_scheduler_sees_the_step():
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*lr_scheduler.step.*")
         _train(engine, case.steps)
+
+
+def test_update_into_other_arrays_leaves_the_state_and_matches_in_place(monkeypatch):
+    """``into`` ([Note: speculative update] in zspeed.train.offload): the result lands in the given arrays,
+    bit for bit the in-place update's, and the master, its moments and the step count are untouched."""
+    monkeypatch.setattr(host_adam, "CHUNK_NUMEL", 256)
+    masters, twins = _masters(), _masters()
+    opt, twin_opt = _optimizer(torch.optim.AdamW, masters), _optimizer(torch.optim.AdamW, twins)
+    scratch = Scratch()
+    for step in range(2):  # the second step starts from non-zero moments
+        for m, t in zip(masters, twins):
+            grad = _grad(m.numel(), step, torch.bfloat16)
+            plan, twin_plan = fused_adam_plan(opt, m), fused_adam_plan(twin_opt, t)
+            before = [x.clone() for x in (m, plan.exp_avg, plan.exp_avg_sq, plan.step)]
+            into = tuple(torch.full_like(m, float("nan")) for _ in range(3))
+            out = torch.empty(m.numel(), dtype=torch.bfloat16)
+            chunked_adam_update(plan, master=m, grad=grad, scale=SCALE, out=out, scratch=scratch, into=into)
+            assert all(torch.equal(a, b) for a, b in zip((m, plan.exp_avg, plan.exp_avg_sq, plan.step), before))
+            twin_out = torch.empty_like(out)
+            chunked_adam_update(twin_plan, master=t, grad=grad, scale=SCALE, out=twin_out, scratch=scratch)
+            assert torch.equal(into[0], t) and torch.equal(into[1], twin_plan.exp_avg)
+            assert torch.equal(into[2], twin_plan.exp_avg_sq) and torch.equal(out, twin_out)
+            m.copy_(into[0]), plan.exp_avg.copy_(into[1]), plan.exp_avg_sq.copy_(into[2]), plan.step.add_(1)
+    with pytest.raises(ValueError, match="into"):
+        chunked_adam_update(fused_adam_plan(opt, masters[0]), master=masters[0], grad=torch.zeros(SIZES[0]),
+                            scale=1.0, out=torch.empty(SIZES[0]), scratch=scratch, into=(torch.empty(3),) * 3)

@@ -80,6 +80,60 @@ def test_clipping_and_fp16_keep_the_update_in_step():
         assert not build(topo, 2, precision, offload_config("optimizer", "cpu", ""), clip=clip).offload.early_start
 
 
+# -- speculative update under clipping --------------------------------------------------------
+
+SPECULATIVE_CASES = [(2, "optimizer"), (3, "optimizer"), (3, "both")]
+
+
+def _speculative_grid(topo, root: str) -> list[str]:
+    """[Note: speculative update]: bit for bit the exact clipped engine, whether the clip never fires (every
+    speculation kept), always fires (every one dropped) or fires on some steps; kept/dropped counts as the
+    exact engine's norms say."""
+    errors = []
+    for stage, kind in SPECULATIVE_CASES:
+        unclipped = run(build(topo, stage, "bf16", offload_config(kind, "cpu", f"{root}/u{stage}{kind}"), clip=0.0),
+                        topo, STEPS)["norms"]
+        middle = (min(unclipped) * max(unclipped)) ** 0.5
+        for clip in (1e9, 1e-6, middle):
+            label = f"stage {stage} {kind} offload, clip {clip:.3g}"
+
+            def engine(speculative: bool):
+                opt = offload_config(kind, "cpu", f"{root}/{stage}{kind}{clip}{speculative}")
+                opt["offload_optimizer"]["speculative_update"] = speculative
+                return build(topo, stage, "bf16", opt, clip=clip)
+            exact = run(engine(False), topo, STEPS)
+            spec_engine = engine(True)
+            assert spec_engine.offload.speculative and not spec_engine.offload.early_start
+            got = run(spec_engine, topo, STEPS)
+            errors += _same(got, exact, label)
+            unclipped_steps = [n + 1e-6 <= clip for n in exact["norms"]]
+            want = {"kept": 0, "dropped": 0, "skipped": 0}
+            for i, ok in enumerate(unclipped_steps):  # a step speculates if the one before it was not clipped
+                want["skipped" if i and not unclipped_steps[i - 1] else "kept" if ok else "dropped"] += 1
+            if spec_engine.offload.speculation != want:
+                errors.append(f"{label}: speculation {spec_engine.offload.speculation}, expected {want}")
+            if clip == middle and not 0 < sum(unclipped_steps) < STEPS:
+                errors.append(f"{label}: the middle clip should fire on some steps only: norms {exact['norms']}")
+    return errors
+
+
+def test_speculative_update_is_the_exact_clipped_update(tmp_path):
+    errors = run_distributed(_speculative_grid, WORLD, str(tmp_path))
+    assert errors == [[], []], "\n".join(errors[0] + errors[1])
+
+
+def test_speculative_update_config_key():
+    import pytest
+    from zspeed.train.config import ConfigError
+
+    base = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}
+    for extra, match in (({"device": "nvme", "nvme_path": "/tmp/x"}, "needs device 'cpu'"),
+                         ({"device": "cpu", "delayed_update": 2}, "set one of them")):
+        cfg = dict(base, zero_optimization={"stage": 2, "offload_optimizer": dict(extra, speculative_update=True)})
+        with pytest.raises(ConfigError, match=match):
+            load_config(cfg, world_size=1)
+
+
 # -- delayed parameter update -----------------------------------------------------------------
 
 DPU_CASES = [(2, "bf16", "cpu", 1.0), (1, "fp32", "nvme", 1.0), (3, "bf16", "cpu", 0.0), (2, "fp16", "cpu", 1.0)]

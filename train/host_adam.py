@@ -165,26 +165,42 @@ def _state_matches(state: dict[str, Any], master: torch.Tensor, *, amsgrad: bool
 
 
 def chunked_adam_update(plan: AdamPlan, *, master: torch.Tensor, grad: torch.Tensor, scale: float,
-                        out: torch.Tensor, scratch: Scratch) -> None:
+                        out: torch.Tensor, scratch: Scratch,
+                        into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """``master.grad = fp32(grad) × scale; optimizer.step(); out.copy_(master)``, chunk by chunk
     (see [Note: the chunked host update]). ``grad`` and ``out`` have the master's number of elements,
-    in any float dtype."""
+    in any float dtype.
+
+    With ``into`` (a master, exp_avg and exp_avg_sq of the same shapes, not amsgrad) the step is written
+    there instead, and the master, its state and the step count are left as they were: each chunk is
+    copied over, then stepped in place while in cache, so ``into`` ends bit for bit what the master and
+    moments would have become (see [Note: speculative update] in :mod:`zspeed.train.offload`)."""
     n = master.numel()
     if grad.numel() != n or out.numel() != n:
         raise ValueError(f"chunked_adam_update: master has {n} elements, its gradient {grad.numel()} "
                          f"and its output buffer {out.numel()}; they must be the same chunk of the group")
+    if into is not None and (plan.max_exp_avg_sq is not None or any(t.numel() != n for t in into)):
+        raise ValueError("chunked_adam_update: `into` needs three arrays of the master's size and no amsgrad")
     chunk = chunk_numel()
     flat = [t.view(-1) for t in (master, plan.exp_avg, plan.exp_avg_sq)]
+    dest = [t.view(-1) for t in into] if into is not None else flat
     amsgrad = plan.max_exp_avg_sq.view(-1) if plan.max_exp_avg_sq is not None else None
     g, o = grad.view(-1), out.view(-1)
     buf = scratch.take(min(chunk, n))
     with torch.no_grad():
-        plan.step.add_(1)  # once per update, before the kernel reads it (torch: _foreach_add_(steps, 1))
+        if into is None:
+            step = plan.step
+            step.add_(1)  # once per update, before the kernel reads it (torch: _foreach_add_(steps, 1))
+        else:
+            step = plan.step + 1  # what the step count will be if this update is kept
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
-            p, m, v = (t[lo:hi] for t in flat)
+            p, m, v = (t[lo:hi] for t in dest)
+            if into is not None:
+                for d, src in zip((p, m, v), flat):
+                    d.copy_(src[lo:hi])
             plan.kernel([p], [_scaled(g[lo:hi], scale, buf[:hi - lo])], [m], [v],
-                        [amsgrad[lo:hi]] if amsgrad is not None else [], [plan.step], **plan.hyper)
+                        [amsgrad[lo:hi]] if amsgrad is not None else [], [step], **plan.hyper)
             o[lo:hi].copy_(p)
 
 
