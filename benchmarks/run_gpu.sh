@@ -69,7 +69,7 @@ serve_section() {  # SERVE_DRY=1: the same steps on the CPU with the tiny preset
   for mode in ${LOAD_MODES:-process}; do
     for budget in ${LOAD_BUDGETS:-2048}; do
       for cap in ${LOAD_CAPS:-96}; do
-        for pace in ${LOAD_PACES:-0}; do
+        for pace in ${LOAD_PACES:-2}; do
           for attn in ${LOAD_ATTNS:-auto}; do
             serve_step c-load 150 ${pyenv[@]+"${pyenv[@]}"} python3 $B load "${big[@]}" --offload none \
               --batch 1 32 "${load_lens[@]}" --requests 64 --rate-fractions 0.5 0.8 --max-seconds 12 \

@@ -85,9 +85,9 @@ def _serve_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-prefill-tokens-per-step", type=int, default=96,
                    help="prompt tokens a step may feed while sequences decode (evens out inter-token gaps; "
                         "lifted while requests queue up); 0: no cap (default: 96)")
-    b.add_argument("--prefill-pacing-steps", type=int, default=0,
+    b.add_argument("--prefill-pacing-steps", type=int, default=2,
                    help="under the cap, feed pending prompt tokens over about this many steps (chunks of at "
-                        "least 32 tokens); 0: the whole cap (default: 0)")
+                        "least 32 tokens); 0: the whole cap (default: 2)")
     b.add_argument("--max-model-len", type=int, help="prompt + output tokens (default: model's, at most 4096)")
     b.add_argument("--max-prompt-tokens", type=int, help="default: max-model-len - 1")
     b.add_argument("--max-new-tokens", type=int, default=2048, help="cap on a request's max_new_tokens")

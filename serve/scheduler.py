@@ -108,12 +108,14 @@ class SchedulerConfig:
     as four 32-token chunks, which keep the step's rows in the matmuls'
     memory-bound range where they cost little, and when prompts arrive faster
     the allowance grows with what is pending, up to the cap; a backlog lifts
-    both (as above). Time to first token grows by the extra steps. Measured
-    (H100, same call, 0.5 / 0.8 of saturation): pacing 4 made capped steps
-    cheaper (median 12.0 vs 12.6 ms) but more of them, and the client's gaps
-    did not improve within that run's noise (p99/p50 1.62 / 2.74 vs 1.67 /
-    1.92; steps of 15-22 ms without prompt tokens dominated both), while the
-    median time to first token went from 37 to 66 ms; so zserve leaves it off.
+    both (as above). Time to first token grows by the extra steps. zserve
+    uses 2: a lone 128-token prompt then goes in as 64 + 64 instead of 96 +
+    32, the same two steps. Measured (H100, Llama-8B shape, batch 32, cap 96,
+    client's inter-token p99/p50 at 0.5 / 0.8 of saturation; session 6 runs
+    7-9 of benchmarks/RESULTS.md, steady host): pacing 2 1.18 / 1.16, 1.17 /
+    1.18, 1.19 / 1.20; none 1.21 / 1.16, 1.19 / 1.15, 1.23 / 1.15; pacing 4
+    1.16 / 1.15, 1.18 / 1.24. Capped steps got cheaper (median 12.1 vs 12.5
+    ms) and median time to first token went from 36 to 48 ms (pacing 4: 67).
     """
 
     max_batch_size: int = 8

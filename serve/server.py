@@ -76,7 +76,7 @@ class ServerConfig:
     max_queue_size: int = 64
     max_queue_delay_ms: float = 0.0
     max_prefill_tokens_per_step: int | None = 96  # None: no cap ([Note: prefill cap default] in scheduler.py)
-    prefill_pacing_steps: int | None = None  # None: the whole cap ([Note: prefill pacing] in scheduler.py)
+    prefill_pacing_steps: int | None = 2  # None: the whole cap ([Note: prefill pacing] in scheduler.py)
     max_model_len: int | None = None
     max_prompt_tokens: int | None = None
     max_new_tokens: int = 2048
