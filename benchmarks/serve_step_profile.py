@@ -112,6 +112,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--weights-dir", default="/tmp/zspeed-profile")
+    ap.add_argument("--model", default=None, help="profile this folder (an HF or zcompress folder, e.g. INT4 "
+                    "weights) instead of a random checkpoint of --preset; --num-layers must be its layer count")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--offload", choices=("none", "cpu"), default="none")
@@ -127,7 +129,9 @@ def main() -> None:
                     "the largest batch and print their spread over time (host-time regimes)")
     args = ap.parse_args()
     folder = Path(args.weights_dir) / f"{args.preset}-{args.num_layers}l-bf16"  # as bench_serve.py names it
-    if not (folder / "model.safetensors.index.json").exists():
+    if args.model is not None:
+        folder = Path(args.model)
+    elif not (folder / "model.safetensors.index.json").exists():
         write_random_checkpoint(args.preset, folder, num_layers=args.num_layers)
     model = load_model(LoadConfig(model=str(folder), offload=args.offload, window=args.window, progress=False))
     sp = SamplingParams()
