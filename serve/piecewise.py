@@ -39,6 +39,7 @@ from typing import Callable, Sequence
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from .attention import LayerAttention, slot_attention
 
@@ -102,8 +103,8 @@ class PiecewiseLayers:
         if not self.capture:
             return
         start = time.perf_counter()
-        with torch.inference_mode():
-            for n in self.buckets:
+        with torch.inference_mode():  # a bar as in StepGraphs.capture_all
+            for n in tqdm(self.buckets, desc="CUDA graphs", unit="bucket", disable=None):
                 if n not in self._graphs:
                     self._capture(self.bucket_buffers(n))
         log.info("piecewise graphs: %d buckets of up to %d tokens captured in %.1fs", len(self.buckets),

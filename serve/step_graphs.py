@@ -31,6 +31,7 @@ import time
 from typing import Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from zspeed.kernels.attention import BLOCK_M as CHUNK_BLOCK_M
 
@@ -72,8 +73,10 @@ class StepGraphs:
         if not self.capture:
             return
         start = time.perf_counter()
+        # the first start with quantized layers also tunes their kernels for every bucket: minutes, so a bar
+        # (tqdm's own choice: shown on a terminal, not in logs or under tests)
         with torch.inference_mode():
-            for key in self._variants:
+            for key in tqdm(self._variants, desc="CUDA graphs", unit="graph", disable=None):
                 if key not in self._graphs:
                     self._capture(*key)
         log.info("whole-step graphs: %d (buckets of up to %d tokens) captured in %.1fs", len(self._graphs),
