@@ -2,19 +2,23 @@
 
 [Note: whole-step graphs] With the piecewise graphs ([Note: piecewise graphs])
 the host still launched, per layer and step, the attention's cache write and
-kernel and the graphs around them: measured on an H100 (session 6, Llama-8B
-shape, 32 layers, batch 32) a decode step took 11.6 ms of host time for ~6 ms
-of device work, and 2-3 % of steps took 20-54 ms with the engine thread's CPU
-time equal to its wall time: whatever slows this virtual machine's CPU went
-straight into the inter-token gaps. With the Triton slot attention
-([Note: slot attention kernel]) nothing in a layer needs the host: the cache
-write is an indexed copy with device indices and the kernel reads its work
-items from device memory. So every layer of a step is captured in one graph,
-per bucket of padded rows ``n`` (as the piecewise graphs) and per ``block_m``
-of the kernel (1 for decode-only steps, :data:`~zspeed.kernels.attention.BLOCK_M`
-with prompt chunks). A step's host work is one copy of its indices and one
-replay; the host then waits on the device instead of the other way round, and a
-host stall that falls while the device works costs nothing.
+kernel and the two graphs around them, and the engine thread was busy for the
+whole step: on an H100 (session 6, Llama-8B shape, 32 layers) 2-3 % of steps
+took 20-54 ms instead of 11.6 with the thread's CPU time equal to its wall
+time, whatever slowed this virtual machine's CPU going straight into the
+inter-token gaps. With the Triton slot attention ([Note: slot attention
+kernel]) nothing in a layer needs the host: the cache write is an indexed copy
+with device indices and the kernel reads its work items from device memory.
+So every layer of a step is captured in one graph, per bucket of padded rows
+``n`` (as the piecewise graphs) and per ``block_m`` of the kernel (1 for
+decode-only steps, :data:`~zspeed.kernels.attention.BLOCK_M` with prompt
+chunks). A step's host work is one copy of its indices and one replay plus what
+surrounds the layers (embedding, output head, sampling: 1.3 ms of a 4.05 ms
+step at 8 layers); the host then mostly waits on the device, and a stall that
+falls while the device works costs nothing. Device time is what it was (the
+same kernels; a 32-layer decode step at batch 32 took 11.2-11.3 ms against
+11.6 piecewise), and greedy tokens equal the piecewise path's exactly (32/32
+sequences, benchmarks/serve_step_profile.py --check).
 
 What makes the shapes static: the indices live in one device buffer per bucket
 ``(slots: n, positions: n, work: 4n)``; the rows past the step's ``N`` write
