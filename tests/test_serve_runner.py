@@ -121,6 +121,13 @@ def test_triton_slot_attention_matches_hf_generate(tiny_dir, reference, monkeypa
         assert runner._whole is not None and runner._pieces is None
         assert runner.cache.scratch_slot == 4 and runner.cache.keys.shape[1] == 5 and runner.cache.num_free == 4
         assert any(runner._whole.pieces.bucket(n) > n for n in rows), "some steps ran with padded rows"
+        plain = KVCache(KVCacheConfig(num_layers=1, num_kv_heads=1, head_dim=4, slots=1, max_len=8),
+                        device=DeviceHandle.for_device("cpu"))
+        with pytest.raises(ValueError, match="scratch slot"):
+            step_graphs.StepGraphs(runner._whole.pieces, plain, capture=False, max_batch_size=4)
+        with pytest.raises(ValueError, match="a step of 2 rows needs 2 slots"):
+            runner._whole.run(torch.zeros(1, 2, 64), (torch.zeros(1, 2, 16),) * 2, slots=[0], positions=[0, 1],
+                              work=[], block_m=1)
     else:
         assert rows == []
     with pytest.raises(ValueError, match="attention_kernel"):
@@ -212,6 +219,17 @@ def test_kv_cache_slots():
     cache.free(10)
     cache.free(10)  # idempotent
     assert cache.allocate(12) == a
+    assert cache.scratch_slot is None
+    # a scratch slot ([Note: whole-step graphs]): allocated memory, never given to a sequence
+    spare = KVCache(KVCacheConfig(num_layers=1, num_kv_heads=1, head_dim=4, slots=2, max_len=8, scratch_slots=1),
+                    device=DeviceHandle.for_device("cpu"))
+    assert spare.keys.shape[1] == 3 and spare.scratch_slot == 2 and spare.capacity_tokens == 16
+    assert spare.config.nbytes == 2 * 3 * 8 * 4 * 4
+    assert {spare.allocate(1), spare.allocate(2)} == {0, 1}
+    with pytest.raises(KVCacheFullError):
+        spare.allocate(3)
+    with pytest.raises(ValueError, match="scratch_slots=2: must be 0 or 1"):
+        KVCacheConfig(num_layers=1, num_kv_heads=1, head_dim=4, slots=2, max_len=8, scratch_slots=2)
 
 
 def test_token_outside_vocabulary_fails_only_its_sequence(tiny_dir):
