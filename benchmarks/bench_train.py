@@ -25,13 +25,18 @@ from pathlib import Path
 SYSTEMS = ["plain", "ddp", "fsdp2", "deepspeed-z2", "deepspeed-z3", "zspeed-z2", "zspeed-z3", "zspeed-z1",
            "deepspeed-z1", "zspeed-z2-offload", "deepspeed-z2-offload", "zspeed-z3-offload", "deepspeed-z3-offload",
            "zspeed-z2-offload-dpu", "zspeed-z3-offload-dpu", "zspeed-z2-offload-noclip", "zspeed-z2-offload-spec",
-           "zspeed-z3-offload-spec"]
+           "zspeed-z3-offload-spec", "zspeed-z2-offload-dev", "zspeed-z3-offload-dev", "zspeed-z2-offload-fwd",
+           "zspeed-z2-offload-devfwd"]
 PEAK_TFLOPS = 989.0
 # ``-dpu``: zspeed's delayed parameter update (offload_optimizer.delayed_update, a zspeed extension) after this
 # many exact steps, fewer than the warm-up steps, so every timed step is delayed. ``-noclip``: gradient_clipping 0,
 # where zspeed starts each group's CPU update during backward (exact; see train/offload.py). ``-spec``: clipping
 # on, with offload_optimizer.speculative_update (exact; the update starts during backward as if the clip will not
-# fire and is redone if it does; the row counts the steps whose speculation was kept and dropped).
+# fire and is redone if it does; the row counts the steps whose speculation was kept and dropped). ``-dev``:
+# clipping on, exact, with offload_optimizer.device_share = --device-share (the first groups' updates run on the
+# GPU with their state streamed from the host while the CPU updates the rest; train/streamed_adam.py). ``-fwd``:
+# exact, offload_optimizer.overlap_forward (the next forward publishes each group as it reaches it); ``-devfwd``:
+# both.
 DPU_WARMUP = 2
 
 
@@ -82,6 +87,10 @@ def build(system: str, args, model, device):
                         clip=0.0 if system.endswith("-noclip") else 1.0, speculative=system.endswith("-spec"))
         if offload and args.host_threads:
             cfg["zero_optimization"]["offload_optimizer"]["host_threads"] = args.host_threads
+        if system.endswith(("-dev", "-devfwd")):
+            cfg["zero_optimization"]["offload_optimizer"]["device_share"] = args.device_share
+        if system.endswith("fwd"):
+            cfg["zero_optimization"]["offload_optimizer"]["overlap_forward"] = True
         engine, *_ = zspeed.initialize(model=model, config=cfg)
 
         return engine_step(engine)
@@ -156,7 +165,7 @@ def run_one(args) -> None:
     flops_per_token = 6 * n_params + 12 * args.layers * args.hidden * args.seq
     row = dict(system=args.system, gpus=world, tokens_per_s_per_gpu=tokens, step_s=dt, peak_gib=peak.item(),
                mfu=tokens * flops_per_token / (PEAK_TFLOPS * 1e12), params=n_params,
-               first_loss=float(losses[0]), last_loss=float(losses[-1]))
+               first_loss=float(losses[0]), last_loss=float(losses[-1]), losses=[round(float(x), 5) for x in losses])
     offload = getattr(getattr(step, "engine", None), "offload", None)
     if getattr(offload, "speculative", False):  # zspeed -spec: how often the clip let the speculation stand
         row["speculation"] = dict(offload.speculation)
@@ -267,6 +276,8 @@ def main() -> None:
     ap.add_argument("--system", choices=SYSTEMS)
     ap.add_argument("--host-threads", type=int, default=0,
                     help="zspeed offload systems: offload_optimizer.host_threads (0 = zspeed's auto)")
+    ap.add_argument("--device-share", type=float, default=0.75,
+                    help="-dev systems: offload_optimizer.device_share (the share of the update run on the GPU)")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=22)
     ap.add_argument("--heads", type=int, default=32)

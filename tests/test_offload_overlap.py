@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.engine_cases import Case, make_model
+from tests.engine_cases import Case, loss_of, make_model, micro_batch
 from tests.test_offload import offload_config, run
 from zspeed.train.config import load_config
 from zspeed.train.engine import ZeroEngine
@@ -132,6 +132,133 @@ def test_speculative_update_config_key():
         cfg = dict(base, zero_optimization={"stage": 2, "offload_optimizer": dict(extra, speculative_update=True)})
         with pytest.raises(ConfigError, match=match):
             load_config(cfg, world_size=1)
+
+
+# -- the streamed device update ----------------------------------------------------------------
+
+STREAMED_CASES = [(1, "bf16", 1.0), (2, "fp32", 0.0), (2, "bf16", 1.0), (2, "fp16", 0.0), (3, "bf16", 1.0)]
+
+
+def _streamed_grid(topo, root: str) -> list[str]:
+    """[Note: the streamed device update]: with ``device_share`` the first groups are updated by the
+    StreamedAdam (on the CPU its "device" is the host and its kernel the CPU's), the rest by the worker, and
+    the engine trains bit for bit as with every update on the worker; a checkpoint of the split engine
+    resumes in an unsplit one (and the other way round) with the same losses."""
+    errors = []
+    for stage, precision, clip in STREAMED_CASES:
+        for share in (0.5, 1.0):
+            label = f"stage {stage} {precision} clip {clip}, device_share {share}"
+
+            def engine(device_share: float, tag: str) -> ZeroEngine:
+                opt = offload_config("optimizer", "cpu", f"{root}/{stage}{precision}{share}{tag}")
+                opt["offload_optimizer"]["device_share"] = device_share
+                return build(topo, stage, precision, opt, clip=clip)
+            exact, split = engine(0.0, "exact"), engine(share, "split")
+            assert exact.offload.streamed is None
+            hosts = split.offload.order
+            streamed = [h for h in hosts if h.on_device]
+            numel = sum(h.group.numel for h in hosts)
+            took = sum(h.group.numel for h in streamed)
+            if share == 1.0 and len(streamed) != len(hosts):
+                errors.append(f"{label}: {len(streamed)} of {len(hosts)} groups streamed")
+            if share < 1.0 and not (0 < len(streamed) < len(hosts) and abs(took / numel - share) < 0.3):
+                errors.append(f"{label}: streamed {len(streamed)} of {len(hosts)} groups, {took / numel:.2f} of "
+                              "the elements")
+            want, got = run(exact, topo, STEPS), run(split, topo, STEPS)
+            errors += _same(got, want, label)
+            steps = STEPS if precision != "fp16" else sum(1 for n in want["norms"] if n == n)
+            if split.offload.streamed.elements < steps * sum(h.group.hi - h.group.lo for h in streamed):
+                errors.append(f"{label}: the device updated {split.offload.streamed.elements} elements in "
+                              f"{steps} steps")
+            if stage == 2 and precision == "bf16" and share == 0.5:  # checkpoints cross the split both ways
+                split.save_checkpoint(f"{root}/ck-split")
+                exact.save_checkpoint(f"{root}/ck-exact")
+                resumed = [engine(0.0, "r1"), engine(share, "r2")]
+                resumed[0].load_checkpoint(f"{root}/ck-split")
+                resumed[1].load_checkpoint(f"{root}/ck-exact")
+                after = run(split, topo, 2)
+                for r, name in zip(resumed, ("split -> unsplit", "unsplit -> split")):
+                    errors += _same(run(r, topo, 2), after, f"{label}: {name}")
+    return errors
+
+
+def test_streamed_device_update_is_bit_exact(tmp_path):
+    errors = run_distributed(_streamed_grid, WORLD, str(tmp_path))
+    assert errors == [[], []], "\n".join(errors[0] + errors[1])
+
+
+def test_device_share_config_key():
+    import pytest
+    from zspeed.train.config import ConfigError
+
+    for extra, match in (({"device": "cpu", "device_share": 1.5}, "a fraction of the parameters, 0 to 1"),
+                         ({"device": "nvme", "nvme_path": "/tmp/x", "device_share": 0.5}, "Offload to 'cpu'"),
+                         ({"device": "cpu", "device_share": 0.5, "delayed_update": 2}, "set one of them")):
+        cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2, "offload_optimizer": extra}}
+        with pytest.raises(ConfigError, match=match):
+            load_config(cfg, world_size=1)
+    from zspeed.core.topology import Topology
+    cfg = Case(kind="llama", stage=2).ds_config(1)
+    cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "device_share": 0.5}
+    with pytest.raises(ValueError, match="use torch's Adam/AdamW with fused=True, or set device_share to 0"):
+        ZeroEngine(module=make_model("llama"), config=load_config(cfg, world_size=1), topo=Topology.single())
+
+
+# -- publishing in the next forward -------------------------------------------------------------
+
+OVERLAP_FORWARD_CASES = [(1, "bf16", 1.0, 0.0), (2, "bf16", 1.0, 0.5), (2, "fp32", 0.0, 0.0), (2, "fp16", 0.0, 0.5)]
+
+
+def _overlap_forward_grid(topo, root: str) -> list[str]:
+    """[Note: overlapping the next forward]: the same training bit for bit (so every forward saw the updated
+    parameters), with the groups published by the next forward's module hooks: none right after step(), all
+    after the forward."""
+    errors = []
+    for stage, precision, clip, share in OVERLAP_FORWARD_CASES:
+        label = f"stage {stage} {precision} clip {clip} device_share {share}"
+
+        def engine(overlap: bool) -> ZeroEngine:
+            opt = offload_config("optimizer", "cpu", f"{root}/{stage}{precision}{overlap}")
+            opt["offload_optimizer"].update(device_share=share, overlap_forward=overlap)
+            return build(topo, stage, precision, opt, clip=clip)
+        want = run(engine(False), topo, STEPS)
+        lazy = engine(True)
+        got = run(lazy, topo, STEPS)
+        errors += _same(got, want, label)
+        # One more step by hand: after it no group is published; the next forward publishes them all.
+        gas = lazy.config.gradient_accumulation_steps
+        for k in range(gas):
+            lazy.backward(loss_of("llama", lazy, micro_batch("llama", 0, k * topo.world_size + topo.rank)))
+            lazy.step()
+        if len(lazy.offload._unpublished) != len(lazy.offload.order):
+            errors.append(f"{label}: after step() {len(lazy.offload._unpublished)} of {len(lazy.offload.order)} "
+                          "groups unpublished")
+        with torch.no_grad():
+            loss_of("llama", lazy, micro_batch("llama", 0, topo.rank))
+        if lazy.offload._unpublished:
+            errors.append(f"{label}: the forward left {len(lazy.offload._unpublished)} groups unpublished")
+    return errors
+
+
+def test_overlap_forward_publishes_in_the_next_forward(tmp_path):
+    errors = run_distributed(_overlap_forward_grid, WORLD, str(tmp_path))
+    assert errors == [[], []], "\n".join(errors[0] + errors[1])
+
+
+def test_overlap_forward_config_key():
+    import pytest
+    from zspeed.core.topology import Topology
+    from zspeed.train.config import ConfigError
+
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "cpu", "overlap_forward": True, "delayed_update": 1}}}
+    with pytest.raises(ConfigError, match="set one of them"):
+        load_config(cfg, world_size=1)
+    cfg = Case(kind="llama", stage=3).ds_config(1)
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "overlap_forward": True}
+    with pytest.raises(ConfigError, match="overlap_forward works at stages 1-2"):
+        ZeroEngine(module=make_model("llama"), config=load_config(cfg, world_size=1), topo=Topology.single())
 
 
 # -- delayed parameter update -----------------------------------------------------------------

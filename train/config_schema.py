@@ -351,6 +351,22 @@ class OffloadOptimizerConfig:
         "CPUs this process may run on divided by the processes of its node, less two for the threads that "
         "drive the GPU (torchrun's OMP_NUM_THREADS=1 default would leave one thread per rank to a "
         "memory-bound update of the whole model)", 0)
+    device_share: float = key(
+        "zspeed extension, not a DeepSpeed key: the fraction of the parameters (whole groups, the first units "
+        "first) whose Adam/AdamW update runs on the GPU while the CPU updates the rest; their fp32 masters and "
+        "moments stay in (pinned) host memory and stream through a few device buffers, so it costs ~384 MiB of "
+        "GPU memory, not 12 bytes per parameter. 0 = every update on the CPU (DeepSpeed's behaviour); the best "
+        "share balances the host's update rate against the PCIe link's (benchmarks/bench_device_adam.py "
+        "measures both; 0.75 on an H100 with 16 host cores). Torch's fused Adam/AdamW without amsgrad, "
+        "CUDA, 'cpu' offload, no delayed_update", 0.0)
+    overlap_forward: bool = key(
+        "zspeed extension, not a DeepSpeed key: step() returns once every update is started, and each updated "
+        "group reaches the device when the next forward first calls a module owning one of its parameters, so "
+        "that forward runs behind the update instead of after it (exact: the same values, published later). "
+        "Stages 1-2, not with delayed_update. Between step() and the next forward the module's parameters may "
+        "still hold the old values: read them through the engine (state dicts, checkpoints and exports publish "
+        "first) or call engine.publish_updates(); a model that reads a parameter outside the forward of a "
+        "module owning it (not the case in Hugging Face models) must not use it", False)
 
     def __post_init__(self) -> None:
         _check_offload(self, self.SECTION)
@@ -364,6 +380,18 @@ class OffloadOptimizerConfig:
                "set one of them")
         _check(isinstance(self.host_threads, int) and self.host_threads >= 0,
                f"{self.SECTION}.host_threads must be an integer >= 0 (0 = auto), got {self.host_threads!r}")
+        _check(0.0 <= self.device_share <= 1.0,
+               f"{self.SECTION}.device_share is a fraction of the parameters, 0 to 1; got {self.device_share!r}")
+        if self.device_share > 0:
+            _check(self.device is not OffloadDevice.NVME,
+                   f"{self.SECTION}.device_share streams host-resident state through the GPU; with 'nvme' the "
+                   "state is not in host memory. Offload to 'cpu' or set device_share to 0")
+            _check(self.delayed_update is None,
+                   f"{self.SECTION}.device_share and delayed_update do not combine (the device share would be "
+                   "exact while the rest is one step stale); set one of them")
+        _check(not (self.overlap_forward and self.delayed_update is not None),
+               f"{self.SECTION}.overlap_forward and delayed_update both publish the update late (delayed_update "
+               "one whole step late); set one of them")
 
     @property
     def enabled(self) -> bool:

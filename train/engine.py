@@ -101,6 +101,8 @@ class ZeroEngine:
         self.hooks = self._install_zero3_hooks()
         if self.offload is not None:
             self.offload.attach(self.groups)
+            if config.zero_optimization.offload_optimizer.overlap_forward:
+                self.offload.install_publish_hooks(self.module, self.groups)
         self.micro_steps = 0
         self.global_steps = 0
         self.last_outcome: StepOutcome | None = None
@@ -304,9 +306,17 @@ class ZeroEngine:
         return held + optimizer_state_tensors(self.optimizer)
 
     def _land_updates(self) -> None:
-        """Publish a delayed optimizer update still running on the CPU (offload's DPU; else a no-op)."""
+        """Publish an optimizer update still running on the CPU (offload's DPU or ``overlap_forward``;
+        else a no-op)."""
         if self.offload is not None:
             self.offload.drain()
+
+    def publish_updates(self) -> None:
+        """Wait for the last step's offloaded update and put every updated parameter on the device.
+        Only needed with ``offload_optimizer.overlap_forward``, before reading the module's parameters
+        directly between :meth:`step` and the next forward (the engine's own state dicts, checkpoints and
+        exports do it themselves)."""
+        self._land_updates()
 
     def _trainable(self) -> list[FlatParamGroup]:
         return [g for g in self.groups if g.trainable]
@@ -389,6 +399,10 @@ def _check_supported(config: ZSpeedConfig) -> None:
     not), ``stage3_max_reuse_distance`` (units are released after every use: distance 0).
     """
     z = config.zero_optimization
+    if z.offload_optimizer.overlap_forward and z.stage not in (1, 2):
+        raise ConfigError(f"zero_optimization.offload_optimizer.overlap_forward works at stages 1-2 (stage 3 "
+                          f"gathers each unit ahead of its forward, from shards the update may not have written "
+                          f"yet); this config has stage {z.stage}: turn overlap_forward off or use stage 2")
     if z.offload_param.enabled and not z.offload_optimizer.enabled:
         raise ConfigError("zero_optimization.offload_param needs offload_optimizer too in zspeed: at stage 3 the "
                           "fp32 master is the only device copy of the parameters, so offloading the 16-bit "

@@ -48,7 +48,7 @@ import torch
 import torch.optim.optimizer as torch_optimizer
 
 __all__ = ["ALIGN", "CHUNK_NUMEL", "AdamPlan", "Scratch", "chunk_numel", "chunked_adam_update",
-           "fused_adam_plan", "record_step"]
+           "fused_adam_plan", "fused_adam_usable", "record_step"]
 
 # Elements per chunk (DeepSpeed's CPU Adam uses the same 1M-element tile): on a 16-32-thread host each
 # thread gets 32K-64K elements of each op on the chunk, so its slices of the fp32 gradient scratch and of
@@ -119,6 +119,15 @@ def fused_adam_plan(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> A
                     kernel=torch._fused_adamw_ if decoupled else torch._fused_adam_,
                     hyper={"lr": lr, "beta1": beta1, "beta2": beta2, "weight_decay": group["weight_decay"],
                            "eps": group["eps"], "amsgrad": group["amsgrad"], "maximize": group["maximize"]})
+
+
+def fused_adam_usable(optimizer: torch.optim.Optimizer, master: torch.Tensor, *, streamed: bool = False) -> bool:
+    """Whether :func:`fused_adam_plan` will give ``master`` a plan (before its state exists); with
+    ``streamed``, also whether the plan suits :class:`~zspeed.train.streamed_adam.StreamedAdam` (no amsgrad)."""
+    if not _fused_adam_eligible(optimizer, master):
+        return False
+    group = next((g for g in optimizer.param_groups if any(p is master for p in g["params"])), None)
+    return group is not None and _fused_adam_group(group) and not (streamed and group["amsgrad"])
 
 
 def _fused_adam_eligible(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> bool:

@@ -75,6 +75,24 @@ without amsgrad speculates (anything else waits for ``step()``); fp16 does not
 (its overflow check may skip the step). The price is 12 bytes of host memory per
 parameter, and a clipped step costs what it cost before, plus the wasted work.
 
+[Note: overlapping the next forward]
+With ``offload_optimizer.overlap_forward`` (stages 1-2) :meth:`OptimizerOffload.step`
+returns once every group's update is started (submitted to the worker, or
+enqueued on the device by the :class:`~zspeed.train.streamed_adam.StreamedAdam`)
+and leaves the groups *unpublished*. A forward pre-hook on each module that owns
+parameters publishes the groups holding them the first time the next forward
+reaches it: waits for that group's update (the worker's job, or the device
+event after its parameters were written), uploads and gathers it, exactly what
+the eager path does for every group at the end of ``step()``. So the next
+forward runs right behind the update, unit by unit, instead of after all of it;
+the values every forward sees are the same, only the moment they are published
+moves. Every rank's forward reaches the modules in the same order, so the
+gathers (collectives at stage 2) match. What the forward did not touch is
+published before the next backward (:meth:`OptimizerOffload.arm`) and by
+``drain()`` (checkpoints, state dicts, exports, the next ``step()``,
+``engine.publish_updates()``). Stage 3 is refused: its hooks gather a unit
+ahead of the unit's forward, from shards this update may not have written yet.
+
 [Note: delayed parameter update]
 With ``offload_optimizer.delayed_update = W`` (a zspeed extension; ZeRO-Offload's
 DPU), steps 0..W-1 are exact; from step W on, ``step()`` computes the norm from
@@ -106,12 +124,13 @@ from ..core.comm import ReduceOp, all_reduce
 from ..core.store import TensorStore, Tier
 from ..core.topology import Topology
 from .config_schema import AioConfig, OffloadDevice, OffloadOptimizerConfig, ZSpeedConfig
-from .host_adam import Scratch, chunked_adam_update, fused_adam_plan, record_step
+from .host_adam import Scratch, chunked_adam_update, fused_adam_plan, fused_adam_usable, record_step
 from .loss_scaler import LossScaler
 from .optimizer_step import StepOutcome
 from .param_group_state import FlatParamGroup
 from .param_offload import ParamOffload, nvme_store_config
 from .stage_policy import StagePolicy
+from .streamed_adam import StreamedAdam, pin_state
 from .units import Unit
 
 __all__ = ["OptimizerOffload", "OffloadStepper", "build_offload", "adopt_unit", "units_in_flight"]
@@ -167,6 +186,9 @@ class _Host:
     shadow: tuple | None = None  # master, exp_avg, exp_avg_sq of a speculative update ([Note: speculative update])
     speculated: bool = False  # this step's job wrote ``shadow``
     names: tuple[str, ...] = ("master",)  # NVMe: the arrays the store holds for this group
+    on_device: bool = False  # updated by the StreamedAdam ([Note: the streamed device update])
+    device_grad: torch.Tensor | None = None  # on_device: this step's reduced gradient chunk, left on the device
+    computed: Any = None  # on_device: event after this step's update wrote the group's 16-bit parameters
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -235,6 +257,11 @@ class OptimizerOffload:
         self._parity = 0  # which of a host's two gradient buffers this step writes
         self.store = self._open_store() if config.device is OffloadDevice.NVME else None
         self._scratch = Scratch()  # the worker's fp32 gradient buffer (see [Note: the chunked host update])
+        # [Note: the streamed device update]: made by bind() when config.device_share asks for it.
+        self.streamed: StreamedAdam | None = None
+        self._unpublished: dict[int, _Host] = {}  # updated, not yet on the device ([Note: overlapping the next forward])
+        self.overlap_forward = config.overlap_forward
+        self._hook_handles: list = []
 
     def _open_store(self) -> TensorStore:
         path = Path(self.config.nvme_path) / f"zspeed_optimizer_rank{self.topo.rank}"
@@ -273,6 +300,7 @@ class OptimizerOffload:
     # -- backward ----------------------------------------------------------------------------
     def arm(self, boundary: bool) -> None:
         """Called before each backward: only the last micro-batch of a step sends gradients."""
+        self._publish_all()  # groups the forward did not touch ([Note: overlapping the next forward])
         self.boundary = boundary
         if boundary:
             if self.config.delayed_update is not None:
@@ -286,7 +314,8 @@ class OptimizerOffload:
         # completes in wait_reductions(), after backward; collect() sends it then.
         if self.boundary and self.device.is_cuda:
             after = g.comm.reduce_stream if g.comm is not None else self.device.current_stream()
-            self._send(self.hosts[id(g)], g.grad_shard, after=after)
+            h = self.hosts[id(g)]
+            (self._keep_on_device if h.on_device else self._send)(h, g.grad_shard, after=after)
             g.grad_shard = None  # [Note: the device gradient after its copy]
 
     def collect(self, g: FlatParamGroup) -> None:
@@ -300,7 +329,20 @@ class OptimizerOffload:
             g.grad_shard = None  # [Note: the device gradient after its copy]
         else:
             grad = g.reduced_full_grad()
-        self._send(h, grad, after=self.device.current_stream())
+        (self._keep_on_device if h.on_device else self._send)(h, grad, after=self.device.current_stream())
+
+    def _keep_on_device(self, h: _Host, grad: torch.Tensor, *, after) -> None:
+        """A streamed group's gradient stays where it is: take its squared norm (on the D2H stream, where
+        :meth:`grad_norm_sq` looks for the others') and remember it for :meth:`step`."""
+        dev = self.device
+        self.d2h.wait_stream(after)
+        with dev.use_stream(self.d2h):
+            h.norm_sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+            h.grad_ready = dev.new_event()
+            h.grad_ready.record(self.d2h)
+        dev.record_stream(grad, self.d2h)
+        h.device_grad = grad
+        h.sent = True
 
     def _send(self, h: _Host, grad: torch.Tensor, *, after) -> None:
         dev = self.device
@@ -334,19 +376,93 @@ class OptimizerOffload:
         for h in self.order:
             if h.grad_ready is not None:
                 h.grad_ready.synchronize()
+            h.device_grad = None
 
     def step(self, optimizer: torch.optim.Optimizer, grad_scale: float, *, delay: bool = False) -> None:
         """Update every group (``grad × grad_scale`` is the gradient) and publish the new parameters;
         with ``delay``, leave the update running to land at the next step (see [Note: delayed parameter update])."""
         opt = _frozen(optimizer) if delay else optimizer
         for h in self.order:
-            if h.job is None:
+            if h.job is None and not h.on_device:
                 self._submit(h, opt, grad_scale, delayed=delay)
+        streamed = self._step_on_device(optimizer, grad_scale)  # runs while the worker updates the rest
         batch, self._batch = self._batch, []
         if delay:
             self._pending = batch
+            return
+        ids = {id(h) for h in batch} | {id(h) for h in streamed}
+        self._unpublished = {id(h): h for h in self.order if id(h) in ids}
+        if not self.overlap_forward:
+            self._publish_all()
+
+    def _publish_all(self) -> None:
+        """Put every updated group still unpublished on the device, in ``self.order`` (every rank's order)."""
+        if not self._unpublished:
+            return
+        for h in list(self._unpublished.values()):
+            self._publish(h)
+        if self.shard_sink is not None:
+            self.shard_sink.after_update()
+
+    def _publish(self, h: _Host) -> None:
+        """Wait for one group's update and put its parameters on the device (and gather them)."""
+        del self._unpublished[id(h)]
+        if h.computed is not None:  # a streamed group: its parameters were written on the device
+            self.device.current_stream().wait_event(h.computed)
+            h.computed = None
+            h.group.regather()
+            return
+        h.job, job = None, h.job
+        job.result()
+        if h.landed:
+            h.landed = False
+            self.device.current_stream().wait_event(h.uploaded)
+            h.group.regather()
         else:
-            self._land(batch)
+            self._upload(h)
+
+    def install_publish_hooks(self, module: torch.nn.Module, groups: list[FlatParamGroup]) -> None:
+        """``overlap_forward``: before each module's forward, publish the groups holding its own parameters
+        (see [Note: overlapping the next forward])."""
+        rank = {id(h): i for i, h in enumerate(self.order)}
+        owner = {id(p): self.hosts[id(g)] for g in groups if id(g) in self.hosts for p in g.params}
+        for m in module.modules():
+            hosts = {id(owner[id(p)]): owner[id(p)] for p in m.parameters(recurse=False) if id(p) in owner}
+            if hosts:
+                mine = tuple(sorted(hosts.values(), key=lambda h: rank[id(h)]))
+                self._hook_handles.append(m.register_forward_pre_hook(self._publish_hook(mine)))
+
+    def _publish_hook(self, hosts: tuple[_Host, ...]):
+        def before_forward(module, args) -> None:
+            if self._unpublished:
+                for h in hosts:
+                    if id(h) in self._unpublished:
+                        self._publish(h)
+        return before_forward
+
+    def _step_on_device(self, optimizer: torch.optim.Optimizer, grad_scale: float) -> list[_Host]:
+        """Enqueue the streamed groups' updates (see [Note: the streamed device update]); returns them."""
+        done = []
+        for h in self.order:
+            if not h.on_device:
+                continue
+            master = h.group.master
+            if master.device.type == "cpu" and self.device.can_pin and not master.is_pinned():
+                master.data = torch.empty(master.shape, dtype=master.dtype, pin_memory=True).copy_(master)
+            fused_adam_plan(optimizer, master)  # makes the state on the first step
+            if self.device.can_pin:
+                pin_state(optimizer.state[master], ("exp_avg", "exp_avg_sq"))
+            plan = fused_adam_plan(optimizer, master)
+            grad = h.device_grad if h.device_grad is not None else torch.zeros(
+                master.numel(), dtype=h.group.dtype, device=self.device.device)
+            h.computed = self.streamed.update(plan, master=master, grad=grad, scale=grad_scale,
+                                              out=self._destination(h.group), grad_ready=h.grad_ready)
+            h.device_grad = None
+            record_step(optimizer)
+            done.append(h)
+        if done:
+            self.streamed.release()
+        return done
 
     def resolve_speculation(self, keep: bool) -> None:
         """Before :meth:`step`: wait for this step's speculative updates, then keep them (swap the arrays in)
@@ -383,6 +499,9 @@ class OptimizerOffload:
         """Land a delayed update still running (no-op without one)."""
         pending, self._pending = self._pending, []
         self._land(pending)
+        self._publish_all()
+        if self.streamed is not None:
+            self.streamed.wait()  # the streamed groups' host arrays are written back
 
     def _submit(self, h: _Host, optimizer, grad_scale: float, *, delayed: bool, speculative: bool = False) -> None:
         sink = self.shard_sink is not None and self.shard_sink.owns(h.group)
@@ -394,22 +513,9 @@ class OptimizerOffload:
 
     def _land(self, batch: list[_Host]) -> None:
         """Wait for ``batch``'s updates and publish them, group by group in ``self.order``."""
-        if not batch:
-            return
         ids = {id(h) for h in batch}
-        for h in self.order:
-            if id(h) not in ids:
-                continue
-            h.job, job = None, h.job
-            job.result()
-            if h.landed:
-                h.landed = False
-                self.device.current_stream().wait_event(h.uploaded)
-                h.group.regather()
-            else:
-                self._upload(h)
-        if self.shard_sink is not None:
-            self.shard_sink.after_update()
+        self._unpublished.update((id(h), h) for h in self.order if id(h) in ids)
+        self._publish_all()
 
     def _update(self, job: _Job) -> None:
         h, optimizer = job.host, job.optimizer
@@ -542,10 +648,46 @@ class OptimizerOffload:
 
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizer = optimizer
+        self._choose_streamed(optimizer)
+
+    def _choose_streamed(self, optimizer: torch.optim.Optimizer) -> None:
+        """Mark the groups the device updates ([Note: the streamed device update]): the first trainable
+        groups in unit order (their gradients are reduced last in backward, so keeping them on the device
+        costs least) until ``device_share`` of the parameters. The choice counts whole groups' elements,
+        the same on every rank, so every rank streams the same groups."""
+        share = self.config.device_share
+        for h in self.order:
+            h.on_device = False
+        if share <= 0 or not self.order:
+            return
+        why = None
+        if self.store is not None:
+            why = "the state is on NVMe"
+        elif any(not fused_adam_usable(optimizer, h.group.master, streamed=True) for h in self.order):
+            why = "the optimizer is not torch's fused Adam/AdamW without amsgrad"
+        if why is not None:
+            raise ValueError(f"offload_optimizer.device_share={share}: the device cannot run this update ({why}); "
+                             "use torch's Adam/AdamW with fused=True, or set device_share to 0")
+        total = sum(h.group.numel for h in self.order)
+        taken = 0
+        for h in self.order:
+            if self.shard_sink is not None and self.shard_sink.owns(h.group):
+                continue  # its update goes to the parameter store, from the host
+            if taken + h.group.numel / 2 > share * total:
+                break
+            h.on_device = True
+            taken += h.group.numel
+        if self.streamed is None and taken:
+            self.streamed = StreamedAdam(device=self.device)
 
     def close(self) -> None:
         self.drain()
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
         self._worker.shutdown(wait=True)
+        if self.streamed is not None:
+            self.streamed.close()
         if self.store is not None:
             self.store.close()
 
