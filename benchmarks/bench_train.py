@@ -26,7 +26,7 @@ SYSTEMS = ["plain", "ddp", "fsdp2", "deepspeed-z2", "deepspeed-z3", "zspeed-z2",
            "deepspeed-z1", "zspeed-z2-offload", "deepspeed-z2-offload", "zspeed-z3-offload", "deepspeed-z3-offload",
            "zspeed-z2-offload-dpu", "zspeed-z3-offload-dpu", "zspeed-z2-offload-noclip", "zspeed-z2-offload-spec",
            "zspeed-z3-offload-spec", "zspeed-z2-offload-dev", "zspeed-z3-offload-dev", "zspeed-z2-offload-fwd",
-           "zspeed-z2-offload-devfwd"]
+           "zspeed-z2-offload-devfwd", "zspeed-z3-offload-devfwd"]
 PEAK_TFLOPS = 989.0
 # ``-dpu``: zspeed's delayed parameter update (offload_optimizer.delayed_update, a zspeed extension) after this
 # many exact steps, fewer than the warm-up steps, so every timed step is delayed. ``-noclip``: gradient_clipping 0,

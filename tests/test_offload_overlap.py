@@ -207,7 +207,8 @@ def test_device_share_config_key():
 
 # -- publishing in the next forward -------------------------------------------------------------
 
-OVERLAP_FORWARD_CASES = [(1, "bf16", 1.0, 0.0), (2, "bf16", 1.0, 0.5), (2, "fp32", 0.0, 0.0), (2, "fp16", 0.0, 0.5)]
+OVERLAP_FORWARD_CASES = [(1, "bf16", 1.0, 0.0), (2, "bf16", 1.0, 0.5), (2, "fp32", 0.0, 0.0), (2, "fp16", 0.0, 0.5),
+                         (3, "bf16", 1.0, 0.5), (3, "fp32", 0.0, 0.0)]
 
 
 def _overlap_forward_grid(topo, root: str) -> list[str]:
@@ -257,7 +258,8 @@ def test_overlap_forward_config_key():
         load_config(cfg, world_size=1)
     cfg = Case(kind="llama", stage=3).ds_config(1)
     cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "overlap_forward": True}
-    with pytest.raises(ConfigError, match="overlap_forward works at stages 1-2"):
+    cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    with pytest.raises(ConfigError, match="overlap_forward does not combine with offload_param"):
         ZeroEngine(module=make_model("llama"), config=load_config(cfg, world_size=1), topo=Topology.single())
 
 

@@ -363,7 +363,7 @@ class OffloadOptimizerConfig:
         "zspeed extension, not a DeepSpeed key: step() returns once every update is started, and each updated "
         "group reaches the device when the next forward first calls a module owning one of its parameters, so "
         "that forward runs behind the update instead of after it (exact: the same values, published later). "
-        "Stages 1-2, not with delayed_update. Between step() and the next forward the module's parameters may "
+        "Not with delayed_update or offload_param. Between step() and the next forward the module's parameters may "
         "still hold the old values: read them through the engine (state dicts, checkpoints and exports publish "
         "first) or call engine.publish_updates(); a model that reads a parameter outside the forward of a "
         "module owning it (not the case in Hugging Face models) must not use it", False)

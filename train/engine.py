@@ -399,10 +399,10 @@ def _check_supported(config: ZSpeedConfig) -> None:
     not), ``stage3_max_reuse_distance`` (units are released after every use: distance 0).
     """
     z = config.zero_optimization
-    if z.offload_optimizer.overlap_forward and z.stage not in (1, 2):
-        raise ConfigError(f"zero_optimization.offload_optimizer.overlap_forward works at stages 1-2 (stage 3 "
-                          f"gathers each unit ahead of its forward, from shards the update may not have written "
-                          f"yet); this config has stage {z.stage}: turn overlap_forward off or use stage 2")
+    if z.offload_optimizer.overlap_forward and z.offload_param.enabled:
+        raise ConfigError("zero_optimization.offload_optimizer.overlap_forward does not combine with offload_param "
+                          "(the updated shards go to the parameter store in one batch after the update); turn one "
+                          "of them off")
     if z.offload_param.enabled and not z.offload_optimizer.enabled:
         raise ConfigError("zero_optimization.offload_param needs offload_optimizer too in zspeed: at stage 3 the "
                           "fp32 master is the only device copy of the parameters, so offloading the 16-bit "

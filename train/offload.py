@@ -76,7 +76,7 @@ without amsgrad speculates (anything else waits for ``step()``); fp16 does not
 parameter, and a clipped step costs what it cost before, plus the wasted work.
 
 [Note: overlapping the next forward]
-With ``offload_optimizer.overlap_forward`` (stages 1-2) :meth:`OptimizerOffload.step`
+With ``offload_optimizer.overlap_forward`` :meth:`OptimizerOffload.step`
 returns once every group's update is started (submitted to the worker, or
 enqueued on the device by the :class:`~zspeed.train.streamed_adam.StreamedAdam`)
 and leaves the groups *unpublished*. A forward pre-hook on each module that owns
@@ -90,8 +90,14 @@ moves. Every rank's forward reaches the modules in the same order, so the
 gathers (collectives at stage 2) match. What the forward did not touch is
 published before the next backward (:meth:`OptimizerOffload.arm`) and by
 ``drain()`` (checkpoints, state dicts, exports, the next ``step()``,
-``engine.publish_updates()``). Stage 3 is refused: its hooks gather a unit
-ahead of the unit's forward, from shards this update may not have written yet.
+``engine.publish_updates()``). At stage 3 a unit is gathered ahead of its
+forward (prefetch), from this rank's 16-bit shard: each group's
+``before_gather`` publishes it first (the shard is written, the gather's stream
+waits for the current one), so a prefetch may wait for an update the module
+hook would have waited for later. (The module hook alone would be correct too:
+publishing a gathered group gathers it again, from the new shard; the early
+publication saves that second gather.) With parameter offload the shard lives in the
+parameter store, written by ``after_update``: not combined (refused).
 
 [Note: delayed parameter update]
 With ``offload_optimizer.delayed_update = W`` (a zspeed extension; ZeRO-Offload's
@@ -426,11 +432,20 @@ class OptimizerOffload:
         (see [Note: overlapping the next forward])."""
         rank = {id(h): i for i, h in enumerate(self.order)}
         owner = {id(p): self.hosts[id(g)] for g in groups if id(g) in self.hosts for p in g.params}
+        if self.policy.shard_params:  # stage 3 gathers units ahead of their forward: publish before the gather
+            for g in groups:
+                if id(g) in self.hosts:
+                    g.before_gather = self._publish_group
         for m in module.modules():
             hosts = {id(owner[id(p)]): owner[id(p)] for p in m.parameters(recurse=False) if id(p) in owner}
             if hosts:
                 mine = tuple(sorted(hosts.values(), key=lambda h: rank[id(h)]))
                 self._hook_handles.append(m.register_forward_pre_hook(self._publish_hook(mine)))
+
+    def _publish_group(self, g: FlatParamGroup) -> None:
+        h = self.hosts.get(id(g))
+        if h is not None and id(h) in self._unpublished:
+            self._publish(h)
 
     def _publish_hook(self, hosts: tuple[_Host, ...]):
         def before_forward(module, args) -> None:

@@ -102,6 +102,9 @@ class FlatParamGroup:
         self.grad_shard: torch.Tensor | None = None
         self.on_grads_reduced: Callable[["FlatParamGroup"], None] | None = None
         self.source: ShardSource | None = None  # stage 3 with parameter offload: where the chunk streams from
+        # Called before this rank's chunk is read for a gather (optimizer offload's overlap_forward: the chunk
+        # may still be waiting for its update; see [Note: overlapping the next forward] in train/offload.py).
+        self.before_gather: Callable[["FlatParamGroup"], None] | None = None
         self._gather: CollectiveHandle | None = None
         self._gather_src: torch.Tensor | None = None  # keeps the cast chunk alive until the gather ends
         self.master_on_host = False  # set by optimizer offload, which then owns master.grad
@@ -222,6 +225,8 @@ class FlatParamGroup:
     def _shard_source(self) -> torch.Tensor:
         """This rank's chunk in the compute dtype (cast from the master when there is no 16-bit shard;
         streamed in when parameters are offloaded)."""
+        if self.before_gather is not None:
+            self.before_gather(self)
         if self.source is not None:
             return self.source.fetch(self)
         return self.shard if self.shard is not None else self.master.to(self.dtype)
