@@ -227,6 +227,10 @@ def _overlap_forward_grid(topo, root: str) -> list[str]:
         lazy = engine(True)
         got = run(lazy, topo, STEPS)
         errors += _same(got, want, label)
+        need = lazy.offload._need_order  # updates start in the last forward's order; at stage 3 the persistent
+        if sorted(map(id, need)) != sorted(map(id, lazy.offload.order)) or (  # unit (the embedding, last in unit
+                stage == 3 and not need[0].group.persistent):                  # order) is needed first
+            errors.append(f"{label}: updates start in the order {[h.key for h in need]}")
         # One more step by hand: after it no group is published; the next forward publishes them all.
         gas = lazy.config.gradient_accumulation_steps
         for k in range(gas):
