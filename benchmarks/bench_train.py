@@ -167,6 +167,12 @@ def run_one(args) -> None:
                mfu=tokens * flops_per_token / (PEAK_TFLOPS * 1e12), params=n_params,
                first_loss=float(losses[0]), last_loss=float(losses[-1]), losses=[round(float(x), 5) for x in losses])
     offload = getattr(getattr(step, "engine", None), "offload", None)
+    times = getattr(offload, "update_times", None)
+    if times:  # zspeed offload: where each step's update went (medians over the timed steps)
+        import statistics
+        timed_steps = times[-args.steps + 1:] or times
+        row["update_ms"] = {k: round(statistics.median(t[k] for t in timed_steps if k in t) * 1e3, 1)
+                            for k in timed_steps[-1]}
     if getattr(offload, "speculative", False):  # zspeed -spec: how often the clip let the speculation stand
         row["speculation"] = dict(offload.speculation)
     if args.memory_report:

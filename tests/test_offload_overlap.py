@@ -167,6 +167,9 @@ def _streamed_grid(topo, root: str) -> list[str]:
             want, got = run(exact, topo, STEPS), run(split, topo, STEPS)
             errors += _same(got, want, label)
             steps = STEPS if precision != "fp16" else sum(1 for n in want["norms"] if n == n)
+            if len(split.offload.update_times) < steps - 1 or any(
+                    t["host_s"] < 0 or t["publish_wait_s"] < 0 for t in split.offload.update_times):
+                errors.append(f"{label}: update times {split.offload.update_times}")
             if split.offload.streamed.elements < steps * sum(h.group.hi - h.group.lo for h in streamed):
                 errors.append(f"{label}: the device updated {split.offload.streamed.elements} elements in "
                               f"{steps} steps")

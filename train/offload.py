@@ -124,6 +124,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -277,6 +278,14 @@ class OptimizerOffload:
         # published the groups in (``_published``, in the making), so the first needed is the first updated.
         self._need_order: list[_Host] = self.order
         self._published: list[_Host] = []
+        # Per step, seconds from the start of the update to: the worker's last job done ("host_s"), the device's
+        # last parameters written ("device_params_s") and its last state written back ("device_s"), and how long
+        # publishing waited for the worker ("publish_wait_s"). Filled when the step's update has landed (at
+        # the next drain); for logs and benchmarks.
+        self.update_times: list[dict[str, float]] = []
+        self._timing: tuple | None = None
+        self._host_end = 0.0
+        self._publish_wait = 0.0  # seconds the main thread waited for the worker while publishing
         self._hook_handles: list = []
 
     def _open_store(self) -> TensorStore:
@@ -401,10 +410,15 @@ class OptimizerOffload:
         if len(self._published) == len(self.order):  # the last forward's order ([Note: overlapping the next forward])
             self._need_order = self._published
         self._published = []
+        started = time.perf_counter()
+        start_event = self.device.new_event(timing=True)
+        start_event.record(self.device.current_stream())
         for h in self._need_order:
             if h.job is None and not h.on_device:
                 self._submit(h, opt, grad_scale, delayed=delay)
         streamed = self._step_on_device(optimizer, grad_scale)  # runs while the worker updates the rest
+        self._timing = (started, start_event, streamed[-1].computed if streamed else None,
+                        self.streamed.done if streamed else None)
         batch, self._batch = self._batch, []
         if delay:
             self._pending = batch
@@ -434,7 +448,9 @@ class OptimizerOffload:
             h.group.regather()
             return
         h.job, job = None, h.job
+        t = time.perf_counter()
         job.result()
+        self._publish_wait += time.perf_counter() - t
         if h.landed:
             h.landed = False
             self.device.current_stream().wait_event(h.uploaded)
@@ -532,6 +548,19 @@ class OptimizerOffload:
         self._publish_all()
         if self.streamed is not None:
             self.streamed.wait()  # the streamed groups' host arrays are written back
+        self._record_times()
+
+    def _record_times(self) -> None:
+        if self._timing is None:
+            return
+        started, start, params, done = self._timing
+        self._timing = None
+        row = {"host_s": max(0.0, self._host_end - started), "publish_wait_s": self._publish_wait}
+        self._publish_wait = 0.0
+        if done is not None and self.device.is_cuda:
+            row["device_params_s"] = self.device.elapsed_seconds(start, params)
+            row["device_s"] = self.device.elapsed_seconds(start, done)
+        self.update_times.append(row)
 
     def _submit(self, h: _Host, optimizer, grad_scale: float, *, delayed: bool, speculative: bool = False) -> None:
         sink = self.shard_sink is not None and self.shard_sink.owns(h.group)
@@ -582,6 +611,7 @@ class OptimizerOffload:
         if job.upload and (h.speculated or not job.speculative):
             self._copy_up(h)
             h.landed = True
+        self._host_end = time.perf_counter()
 
     def _step_whole(self, job: _Job, master: torch.Tensor) -> None:
         """Any other optimizer: one ``optimizer.step()`` with ``master.grad = fp32(grad) × scale``, the

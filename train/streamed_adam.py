@@ -156,7 +156,7 @@ class StreamedAdam:
                         gbuf.mul_(scale)
                     plan.kernel([p], [gbuf], [m], [v], [], [step], **hyper)
                     o[lo:hi].copy_(p)
-                    computed = dev.new_event()
+                    computed = dev.new_event(timing=True)
                     computed.record(self.compute)
                 self.d2h.wait_event(computed)
                 with dev.use_stream(self.d2h):
@@ -166,7 +166,7 @@ class StreamedAdam:
                     slot.free.record(self.d2h)
             dev.record_stream(grad, self.compute)
             dev.record_stream(out, self.compute)
-            self.done = dev.new_event()
+            self.done = dev.new_event(timing=True)
             self.done.record(self.d2h)
         self.elements += n
         return computed
