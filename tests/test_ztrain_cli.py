@@ -211,3 +211,17 @@ def test_resume_refuses_a_checkpoint_of_another_model(tmp_path, capsys, data):
     assert rc == 2 and re.search(r"checkpoint .*global_step7 is not of tiny-llama: the first mismatching tensor is "
                                  r"'model\.embed_tokens\.weight', shape \[259, 64\] in the checkpoint but "
                                  r"\[259, 128\]", err), err
+
+
+def test_offload_cpu_flag_picks_the_fast_exact_offload_on_cuda():
+    from zspeed.train.cli_config import FAST_DEVICE_SHARE, FlagValues, build_config_dict
+    from zspeed.train.config import load_config
+
+    def section(**flags):
+        cfg = build_config_dict(FlagValues(offload="cpu", **flags), None)
+        load_config({k: v for k, v in cfg.items() if k != "scheduler"}, world_size=1)  # valid either way
+        return cfg["zero_optimization"]["offload_optimizer"]
+    assert section(cuda=False) == {"device": "cpu"}  # on the CPU there is no device to share the update with
+    assert section(cuda=True, zero_stage=2) == {"device": "cpu", "pin_memory": True,
+                                                "device_share": FAST_DEVICE_SHARE, "overlap_forward": True}
+    assert section(cuda=True, zero_stage=3) == {"device": "cpu", "pin_memory": True}  # parameters offloaded too

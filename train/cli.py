@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="a DeepSpeed-style JSON config; \"auto\" values are filled from the flags")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), help=f"default {DEFAULTS['zero_stage']}")
     p.add_argument("--offload", choices=("none", "cpu", "nvme"), help="optimizer state (and, at stage 3, "
-                   "parameters) offload; default none")
+                   "parameters) offload; default none. 'cpu' on a GPU at stages 1-2 also runs part of the update "
+                   "on the GPU and overlaps it with the next forward (offload_optimizer.device_share, "
+                   "overlap_forward; a --config file says for itself)")
     p.add_argument("--nvme-path", help="folder for NVMe offload files (with --offload nvme)")
     p.add_argument("--bf16", action="store_true", default=None, help="bf16 mixed precision")
     p.add_argument("--lr", type=float, help=f"peak learning rate (default {DEFAULTS['lr']})")
@@ -98,6 +100,7 @@ def prepare(args: argparse.Namespace, *, world_size: int):
     _check_numbers(args)
     out = _check_writable(Path(args.out), "output folder")
     flags = FlagValues(zero_stage=args.zero_stage, offload=args.offload, nvme_path=args.nvme_path, bf16=args.bf16,
+                       cuda=_cuda_available(),
                        lr=args.lr, micro_batch=args.micro_batch, global_batch=args.global_batch)
     if flags.get("offload") == "nvme":
         if not args.nvme_path:
@@ -269,6 +272,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items())
         print(f"ztrain: done ({shown}); outputs in {plan.out}", file=sys.stderr)
     return 0
+
+
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":
