@@ -31,23 +31,6 @@ order on the D2H stream, then an event), so the host arrays are never read
 half-written; anything on the host that reads them (checkpoints, exports) calls
 :meth:`StreamedAdam.wait` first.
 
-[Note: prefetching the state during backward]
-With clipping nothing can be updated before the global norm, i.e. before
-backward ends; but uploading a streamed group's state does not depend on the
-norm, and during backward the link's host-to-device direction is idle while
-backward frees the forward's activations. So each time a gradient is sent
-(during backward on CUDA), :class:`~zspeed.train.offload.OptimizerOffload`
-asks this object to upload whole chunks of the streamed groups' state, in the
-order the update will take them, into fresh device buffers, within a budget:
-the process's peak so far (reached by the forward, at the loss) less what is
-allocated now, less a margin for what backward still allocates
-(``PREFETCH_MARGIN``). So prefetching should not raise the peak the forward
-set (the benchmark's peak memory checks it). :meth:`StreamedAdam.update` then
-computes on a prefetched chunk without uploading it, and its buffers go back
-to the allocator once the chunk's download has run. The uploads wait for the
-last step's downloads (the host arrays are whole again); a skipped step (fp16
-overflow) drops them.
-
 [Note: device memory across streams]
 The caching allocator hands a freed block to the next allocation *on the same
 stream* at once, trusting stream order: the block's last reader was queued on
