@@ -155,9 +155,6 @@ def _streamed_grid(topo, root: str) -> list[str]:
                 return build(topo, stage, precision, opt, clip=clip)
             exact, split = engine(0.0, "exact"), engine(share, "split")
             assert exact.offload.streamed is None
-            # [Note: prefetching the state during backward]: the CPU has no device memory to measure, so the
-            # budget is given: room for everything (share 0.5), or for ~one group's state per call (share 1).
-            split.offload.prefetch_budget = (lambda: 1 << 40) if share < 1.0 else (lambda: 12 * 10_000)
             hosts = split.offload.order
             streamed = [h for h in hosts if h.on_device]
             numel = sum(h.group.numel for h in hosts)
@@ -173,10 +170,6 @@ def _streamed_grid(topo, root: str) -> list[str]:
             if len(split.offload.update_times) < steps - 1 or any(
                     t["host_s"] < 0 or t["publish_wait_s"] < 0 for t in split.offload.update_times):
                 errors.append(f"{label}: update times {split.offload.update_times}")
-            streamer = split.offload.streamed
-            if streamer.prefetched_elements == 0 or streamer._prefetched:
-                errors.append(f"{label}: prefetched {streamer.prefetched_elements} elements, "
-                              f"{len(streamer._prefetched)} chunks left unused")
             if split.offload.streamed.elements < steps * sum(h.group.hi - h.group.lo for h in streamed):
                 errors.append(f"{label}: the device updated {split.offload.streamed.elements} elements in "
                               f"{steps} steps")

@@ -72,9 +72,8 @@ DEFAULT_CHUNK_NUMEL = 1 << 23
 class _Slot:
     """One chunk's worth of device memory: master, exp_avg, exp_avg_sq and the fp32 gradient."""
 
-    arrays: tuple[torch.Tensor, ...]
+    arrays: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
     free: Any = None  # event after this slot's last download
-    loaded: Any = None  # a prefetched chunk: event after its upload
 
 
 class StreamedAdam:
@@ -88,8 +87,6 @@ class StreamedAdam:
         self.device, self.chunk, self.num_slots = device, chunk_numel, slots
         self.h2d, self.compute, self.d2h = device.new_stream(), device.new_stream(), device.new_stream()
         self._slots: list[_Slot] = []
-        self._prefetched: dict[tuple[Any, int], _Slot] = {}  # (key, first element) -> an uploaded chunk
-        self.prefetched_elements = 0  # elements whose state was uploaded ahead of update() (a count)
         self._next = 0
         self._fresh = True  # no update enqueued since the last release(): the next one waits for old downloads
         self.done = None  # event after the last download enqueued
@@ -108,42 +105,8 @@ class StreamedAdam:
         self._next += 1
         return s
 
-    def prefetch(self, key: Any, arrays: tuple[torch.Tensor, torch.Tensor, torch.Tensor], *, budget: int) -> int:
-        """Upload whole chunks of one group's host state (master, exp_avg, exp_avg_sq) ahead of its
-        :meth:`update` with the same ``key``, while their bytes fit in ``budget``; returns the bytes taken
-        (see [Note: prefetching the state during backward]). Chunks already uploaded are skipped."""
-        dev, taken = self.device, 0
-        n = arrays[0].numel()
-        host = [t.view(-1) for t in arrays]
-        for lo in range(0, n, self.chunk):
-            if (key, lo) in self._prefetched:
-                continue
-            k = min(n, lo + self.chunk) - lo
-            if taken + 12 * k > budget:
-                break
-            if self._fresh:  # the last step's downloads land before these uploads read the host arrays
-                self.h2d.wait_stream(self.d2h)
-                self._fresh = False
-            with dev.use_stream(self.h2d):  # allocated where first written ([Note: device memory across streams])
-                dest = tuple(dev.empty((k,), dtype=torch.float32) for _ in range(3))
-                for d, src in zip(dest, host):
-                    d.copy_(src[lo:lo + k], non_blocking=True)
-                loaded = dev.new_event()
-                loaded.record(self.h2d)
-            self._prefetched[key, lo] = _Slot(arrays=dest, loaded=loaded)
-            taken += 12 * k
-            self.prefetched_elements += k
-        return taken
-
-    def drop_prefetched(self) -> None:
-        """Forget every prefetched chunk (a skipped step: no update will use them)."""
-        for slot in self._prefetched.values():
-            for t in slot.arrays:
-                self.device.record_stream(t, self.h2d)
-        self._prefetched.clear()
-
     def update(self, plan: AdamPlan, *, master: torch.Tensor, grad: torch.Tensor, scale: float,
-               out: torch.Tensor, grad_ready: Any, key: Any = None) -> Any:
+               out: torch.Tensor, grad_ready: Any) -> Any:
         """Enqueue ``master.grad = fp32(grad) × scale; optimizer.step(); out.copy_(master)`` on the device.
 
         ``master`` and ``plan``'s moments are host tensors (pinned on CUDA), ``grad`` and ``out`` device
@@ -151,7 +114,7 @@ class StreamedAdam:
         the gradient. Returns at once on CUDA; ``out`` is written on :attr:`compute` (make the stream that
         reads it wait for that stream, or for the returned event, after which ``out`` is written) and the
         host arrays on :attr:`d2h` (call :meth:`wait` before the host reads them). Steps ``plan.step``
-        once, as the host path does. Chunks :meth:`prefetch` uploaded under ``key`` are not uploaded again."""
+        once, as the host path does."""
         n = master.numel()
         if grad.numel() != n or out.numel() != n:
             raise ValueError(f"StreamedAdam.update: master has {n} elements, its gradient {grad.numel()} and its "
@@ -177,22 +140,15 @@ class StreamedAdam:
             for lo in range(0, n, self.chunk):
                 hi = min(n, lo + self.chunk)
                 k = hi - lo
-                ahead = self._prefetched.pop((key, lo), None) if key is not None else None
-                if ahead is not None:  # uploaded during backward
-                    slot, loaded = ahead, ahead.loaded
-                    p, m, v = ahead.arrays
-                    with dev.use_stream(self.compute):
-                        gbuf = dev.empty((k,), dtype=torch.float32)
-                else:
-                    slot = self._slot()
-                    p, m, v, gbuf = (a[:k] for a in slot.arrays)
-                    if slot.free is not None:
-                        self.h2d.wait_event(slot.free)
-                    with dev.use_stream(self.h2d):
-                        for d, src in zip((p, m, v), host):
-                            d.copy_(src[lo:hi], non_blocking=True)
-                        loaded = dev.new_event()
-                        loaded.record(self.h2d)
+                slot = self._slot()
+                p, m, v, gbuf = (a[:k] for a in slot.arrays)
+                if slot.free is not None:
+                    self.h2d.wait_event(slot.free)
+                with dev.use_stream(self.h2d):
+                    for d, src in zip((p, m, v), host):
+                        d.copy_(src[lo:hi], non_blocking=True)
+                    loaded = dev.new_event()
+                    loaded.record(self.h2d)
                 self.compute.wait_event(loaded)
                 with dev.use_stream(self.compute):
                     gbuf.copy_(g[lo:hi])
@@ -208,10 +164,6 @@ class StreamedAdam:
                         d[lo:hi].copy_(src, non_blocking=True)
                     slot.free = dev.new_event()
                     slot.free.record(self.d2h)
-                if ahead is not None:  # its memory goes back once the download has run
-                    for t in ahead.arrays:
-                        dev.record_stream(t, self.compute)
-                        dev.record_stream(t, self.d2h)
             dev.record_stream(grad, self.compute)
             dev.record_stream(out, self.compute)
             self.done = dev.new_event(timing=True)
@@ -228,7 +180,6 @@ class StreamedAdam:
                 for stream in (self.h2d, self.compute, self.d2h):
                     self.device.record_stream(t, stream)
         self._slots.clear()
-        self.drop_prefetched()  # (none left after a step that updated every group it prefetched)
         self._next = 0
         self._fresh = True
 
