@@ -170,7 +170,7 @@ def run_one(args) -> None:
     times = getattr(offload, "update_times", None)
     if times:  # zspeed offload: where each step's update went (medians over the timed steps)
         import statistics
-        timed_steps = times[-args.steps + 1:] or times
+        timed_steps = list(times)[-args.steps + 1:] or list(times)
         row["update_ms"] = {k: round(statistics.median(t[k] for t in timed_steps if k in t) * 1e3, 1)
                             for k in timed_steps[-1]}
     if getattr(offload, "speculative", False):  # zspeed -spec: how often the clip let the speculation stand

@@ -226,7 +226,8 @@ def _overlap_forward_grid(topo, root: str) -> list[str]:
             opt = offload_config("optimizer", "cpu", f"{root}/{stage}{precision}{overlap}")
             opt["offload_optimizer"].update(device_share=share, overlap_forward=overlap)
             return build(topo, stage, precision, opt, clip=clip)
-        want = run(engine(False), topo, STEPS)
+        eager = engine(False)
+        want = run(eager, topo, STEPS)
         lazy = engine(True)
         got = run(lazy, topo, STEPS)
         errors += _same(got, want, label)
@@ -246,6 +247,22 @@ def _overlap_forward_grid(topo, root: str) -> list[str]:
             loss_of("llama", lazy, micro_batch("llama", 0, topo.rank))
         if lazy.offload._unpublished:
             errors.append(f"{label}: the forward left {len(lazy.offload._unpublished)} groups unpublished")
+        if stage == 2 and share:  # loading over an unpublished update: the update must not land on top of it
+            ck = f"{root}/ck{stage}{precision}"
+            eager.save_checkpoint(ck)
+            saved = eager.full_state_dict()
+            after = run(eager, topo, 2)
+            for load in ({"load_optimizer_states": False}, {}):
+                for k in range(gas):
+                    lazy.backward(loss_of("llama", lazy, micro_batch("llama", 0, k * topo.world_size + topo.rank)))
+                    lazy.step()
+                assert lazy.offload._unpublished
+                lazy.load_checkpoint(ck, **load)
+                with torch.no_grad():  # the forward publishes nothing over what was loaded
+                    loss_of("llama", lazy, micro_batch("llama", 0, topo.rank))
+                if any(not torch.equal(v, saved[n]) for n, v in lazy.full_state_dict().items()):
+                    errors.append(f"{label}: loading {load} over an unpublished update kept the update")
+            errors += _same(run(lazy, topo, 2), after, f"{label}: loaded over an unpublished update")
     return errors
 
 

@@ -253,6 +253,7 @@ class ZeroEngine:
         returns ``(folder, client_state)``, ``(None, None)`` when there is no checkpoint.
         ``load_module_strict`` is accepted for DeepSpeed compatibility (loading is always strict)."""
         from .checkpoint import load_checkpoint
+        self._land_updates()  # an update still landing (DPU, overlap_forward) must not land over what is loaded
         return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only)
 

@@ -282,7 +282,7 @@ class OptimizerOffload:
         # last parameters written ("device_params_s") and its last state written back ("device_s"), and how long
         # publishing waited for the worker ("publish_wait_s"). Filled when the step's update has landed (at
         # the next drain); for logs and benchmarks.
-        self.update_times: list[dict[str, float]] = []
+        self.update_times: deque[dict[str, float]] = deque(maxlen=1000)  # the last 1000 steps
         self._timing: tuple | None = None
         self._host_end = 0.0
         self._publish_wait = 0.0  # seconds the main thread waited for the worker while publishing
