@@ -499,10 +499,13 @@ class OptimizerOffload:
             if self.device.can_pin:
                 pin_state(optimizer.state[master], ("exp_avg", "exp_avg_sq"))
             plan = fused_adam_plan(optimizer, master)
-            grad = h.device_grad if h.device_grad is not None else torch.zeros(
-                master.numel(), dtype=h.group.dtype, device=self.device.device)
+            grad, ready = h.device_grad, h.grad_ready
+            if grad is None:  # (never sent: no gradient this step) zeros, made before the update reads them
+                grad = torch.zeros(master.numel(), dtype=h.group.dtype, device=self.device.device)
+                ready = self.device.new_event()
+                ready.record(self.device.current_stream())
             h.computed = self.streamed.update(plan, master=master, grad=grad, scale=grad_scale,
-                                              out=self._destination(h.group), grad_ready=h.grad_ready)
+                                              out=self._destination(h.group), grad_ready=ready)
             h.device_grad = None
             record_step(optimizer)
             done.append(h)
