@@ -6,10 +6,11 @@
 throughput: the workload of ../shared/TARGETS.md (Llama-shaped 1.1 B, sequence 2048, micro-batch 4,
 bf16, AdamW, clip 1.0) through benchmarks/bench_train.py: ZeRO-2 with CPU optimizer offload on 1 GPU
 (zspeed-z2-offload, deepspeed-z2-offload) and ZeRO-3 with CPU optimizer offload on 2 GPUs
-(zspeed-z3-offload, deepspeed-z3-offload), each zspeed system also with the delayed parameter update
-(``-dpu``: offload_optimizer.delayed_update, one update stale after 2 exact steps) and, on 1 GPU, without
-clipping (``-noclip``: the exact update starts per group during backward) and with the speculative update
-(``-spec``: clipping on, exact). Targets (issue 4): zspeed ≥ 2× DeepSpeed's tokens/s at
+(zspeed-z3-offload, deepspeed-z3-offload), each zspeed system also with a quarter of the update on the
+host and three on the GPU, state streamed (``-dev``: offload_optimizer.device_share 0.75) and with that plus
+the next forward overlapping the update (``-devfwd``: overlap_forward), all exact; bench_train.py also has
+``-dpu`` (delayed update), ``-noclip`` and ``-spec`` (speculative update) variants to pass with
+``--systems``. Targets (issue 4): zspeed ≥ 2× DeepSpeed's tokens/s at
 ZeRO-2 on 1 GPU at no more GPU memory, ≥ 3× at ZeRO-3 on 2 GPUs.
 
 capacity: on one GPU, each (model size, system) in its own process: Llama-shaped models up to the
@@ -41,9 +42,8 @@ SIZES = {  # hidden, layers, heads, kv heads, ffn, vocab
     "3b": (3072, 28, 24, 8, 8192, 128256),
     "8b": (4096, 32, 32, 8, 14336, 128256),
 }
-THROUGHPUT_SETS = ((1, "zspeed-z2-offload,zspeed-z2-offload-spec,zspeed-z2-offload-dpu,zspeed-z2-offload-noclip,"
-                       "deepspeed-z2-offload"),
-                   (2, "zspeed-z3-offload,zspeed-z3-offload-spec,zspeed-z3-offload-dpu,deepspeed-z3-offload"))
+THROUGHPUT_SETS = ((1, "zspeed-z2-offload-devfwd,zspeed-z2-offload-dev,zspeed-z2-offload,deepspeed-z2-offload"),
+                   (2, "zspeed-z3-offload-devfwd,zspeed-z3-offload,deepspeed-z3-offload"))
 CAPACITY_SYSTEMS = ["zspeed-z3-offload", "deepspeed-z3-offload", "zspeed-z2-offload", "deepspeed-z2-offload"]
 
 
@@ -163,7 +163,7 @@ def throughput_driver(args) -> list[dict]:
         if out.is_file():
             rows += json.loads(out.read_text())
     pairs = [(f"zspeed-z{s}-offload{v}", f"deepspeed-z{s}-offload") for s in (2, 3)
-             for v in ("", "-spec", "-dpu", "-noclip")]
+             for v in ("", "-dev", "-devfwd", "-spec", "-dpu", "-noclip")]
     for pair in pairs:
         got = {r["system"]: r for r in rows if r["system"] in pair and "error" not in r}
         if len(got) == 2:
