@@ -5,6 +5,7 @@
     zcompress sparsify --model DIR --pattern 2:4 --method wanda --calib FILE --out DIR
     zcompress inspect DIR
     zcompress eval --model DIR --data FILE
+    zcompress export --model DIR --out DIR [--format gptq|gptq_v2]
 
 ``--model`` takes a Hugging Face folder, a ``.gguf`` file, a folder written by
 zcompress, or ``tiny`` (a built-in random tiny Llama for demos).
@@ -62,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--baseline", help="the uncompressed model (default: the source recorded at compression)")
     e.add_argument("--seq-len", type=int, default=512)
     e.add_argument("--max-windows", type=int, default=16)
+    x = sub.add_parser("export", help="write an INT4 zcompress folder in the GPTQ layout other tools load")
+    x.add_argument("--model", required=True, help="a zcompress folder of 4-bit (rtn or gptq) weights")
+    x.add_argument("--out", required=True, help="the new Hugging Face GPTQ folder (must not exist)")
+    x.add_argument("--format", default="gptq", choices=("gptq", "gptq_v2"),
+                   help="gptq (default; zero points stored minus one, as AutoGPTQ and transformers read them) "
+                        "or gptq_v2 (zero points as they are: GPTQModel)")
     return parser
 
 
@@ -69,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"quantize": cmd_compress, "sparsify": cmd_compress, "inspect": cmd_inspect,
-                "eval": cmd_eval}[args.command](args)
+                "eval": cmd_eval, "export": cmd_export}[args.command](args)
     except (ValueError, FileNotFoundError, CompressedFormatError, TypeError) as e:
         print(f"zcompress {args.command}: error: {e}", file=sys.stderr)
         return 2
@@ -133,6 +140,14 @@ def cmd_compress(args: argparse.Namespace) -> int:
         tokenizer.save_pretrained(args.out)
     print(f"{config.method}: {len(compressed_modules(model))} modules compressed in "
           f"{time.perf_counter() - start:.1f}s → {args.out}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .export_gptq import export_gptq
+
+    out = export_gptq(args.model, args.out, checkpoint_format=args.format)
+    print(f"export: {args.model} -> {out} ({args.format})")
     return 0
 
 
