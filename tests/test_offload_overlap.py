@@ -190,6 +190,42 @@ def test_streamed_device_update_is_bit_exact(tmp_path):
     assert errors == [[], []], "\n".join(errors[0] + errors[1])
 
 
+def _streamed_combinations(topo, root: str) -> list[str]:
+    """device_share with the other zspeed keys: speculative update (host groups speculate, streamed groups are
+    exact; the clip fires on some steps), overlap_forward on top, and parameter offload at stage 3 (the groups
+    the parameter store owns stay on the host; the persistent unit's may stream)."""
+    errors = []
+    norms = run(build(topo, 2, "bf16", offload_config("optimizer", "cpu", f"{root}/n"), clip=0.0), topo,
+                STEPS)["norms"]
+    middle = (min(norms) * max(norms)) ** 0.5
+    for extra in ({"speculative_update": True}, {"speculative_update": True, "overlap_forward": True}):
+        def engine(keys: dict, tag: str) -> ZeroEngine:
+            opt = offload_config("optimizer", "cpu", f"{root}/{tag}")
+            opt["offload_optimizer"].update(keys)
+            return build(topo, 2, "bf16", opt, clip=middle)
+        want = run(engine({}, "exact"), topo, STEPS)
+        split = engine({"device_share": 0.5, **extra}, "split")
+        got = run(split, topo, STEPS)
+        errors += _same(got, want, f"device_share 0.5 + {extra}")
+        if sum(split.offload.speculation.values()) != STEPS or not split.offload.streamed.elements:
+            errors.append(f"{extra}: speculation {split.offload.speculation}, "
+                          f"{split.offload.streamed.elements} elements streamed")
+    want = run(build(topo, 3, "bf16", offload_config("both", "cpu", f"{root}/both0"), clip=1.0), topo, STEPS)
+    both = offload_config("both", "cpu", f"{root}/both")
+    both["offload_optimizer"]["device_share"] = 1.0
+    e = build(topo, 3, "bf16", both, clip=1.0)
+    owned = [h.on_device for h in e.offload.order if e.offload.shard_sink.owns(h.group)]
+    if not owned or any(owned):
+        errors.append("stage 3 with parameter offload: a group the parameter store owns was streamed")
+    errors += _same(run(e, topo, STEPS), want, "stage 3, parameter offload, device_share 1.0")
+    return errors
+
+
+def test_device_share_combines_with_the_other_offload_keys(tmp_path):
+    errors = run_distributed(_streamed_combinations, WORLD, str(tmp_path))
+    assert errors == [[], []], "\n".join(errors[0] + errors[1])
+
+
 def test_device_share_config_key():
     import pytest
     from zspeed.train.config import ConfigError

@@ -358,7 +358,8 @@ class OffloadOptimizerConfig:
         "GPU memory, not 12 bytes per parameter. 0 = every update on the CPU (DeepSpeed's behaviour); the best "
         "share balances the host's update rate against the PCIe link's (benchmarks/bench_device_adam.py "
         "measures both; 0.75 on an H100 with 16 host cores). Torch's fused Adam/AdamW without amsgrad, "
-        "CUDA, 'cpu' offload, no delayed_update", 0.0)
+        "CUDA, 'cpu' offload, no delayed_update; with offload_param the groups the parameter store holds stay "
+        "on the CPU", 0.0)
     overlap_forward: bool = key(
         "zspeed extension, not a DeepSpeed key: step() returns once every update is started, and each updated "
         "group reaches the device when the next forward first calls a module owning one of its parameters, so "
