@@ -86,9 +86,12 @@ event after its parameters were written), uploads and gathers it, exactly what
 the eager path does for every group at the end of ``step()``. So the next
 forward runs right behind the update, unit by unit, instead of after all of it;
 the values every forward sees are the same, only the moment they are published
-moves. Every rank's forward reaches the modules in the same order, so the
-gathers (collectives at stage 2) match. What the forward did not touch is
-published before the next backward (:meth:`OptimizerOffload.arm`) and by
+moves. At stages 1-2 on several ranks publishing gathers (a collective), so a
+hook publishes every unpublished group up to its own in ``self.order``: the
+ranks issue the gathers in one order even where their forwards visit different
+modules (a mixture of experts), and for a dense model, whose forward follows
+unit order, that is what the hook would have done anyway. What the forward
+did not touch is published before the next backward (:meth:`OptimizerOffload.arm`) and by
 ``drain()`` (checkpoints, state dicts, exports, the next ``step()``,
 ``engine.publish_updates()``). At stage 3 a unit is gathered ahead of its
 forward (prefetch), from this rank's 16-bit shard: each group's
@@ -479,12 +482,27 @@ class OptimizerOffload:
             self._publish(h)
 
     def _publish_hook(self, hosts: tuple[_Host, ...]):
+        # Stages 1-2 on several ranks: publishing gathers (a collective), so every rank must publish in the
+        # same order even where the ranks' forwards differ (a mixture of experts routes tokens to different
+        # experts per rank): a group is published with every unpublished group before it in ``self.order``.
+        in_order = not self.policy.shard_params and self.topo.world_size > 1
+
         def before_forward(module, args) -> None:
             if self._unpublished:
                 for h in hosts:
                     if id(h) in self._unpublished:
-                        self._publish(h)
+                        if in_order:
+                            self._publish_through(h)
+                        else:
+                            self._publish(h)
         return before_forward
+
+    def _publish_through(self, last: _Host) -> None:
+        """Publish the unpublished groups up to ``last`` in ``self.order`` (the dict keeps that order)."""
+        for h in list(self._unpublished.values()):
+            self._publish(h)
+            if h is last:
+                return
 
     def _step_on_device(self, optimizer: torch.optim.Optimizer, grad_scale: float) -> list[_Host]:
         """Enqueue the streamed groups' updates (see [Note: the streamed device update]); returns them."""
