@@ -99,10 +99,8 @@ def fused_adam_plan(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> A
 
     ``optimizer`` may be a :func:`~zspeed.train.offload._frozen` view: the hyperparameters come from its
     own param groups, the state from the state it shares with the real optimizer."""
-    if not _fused_adam_eligible(optimizer, master):
-        return None
-    group = next((g for g in optimizer.param_groups if any(p is master for p in g["params"])), None)
-    if group is None or not _fused_adam_group(group):
+    group = _fused_group_of(optimizer, master)
+    if group is None:
         return None
     state = optimizer.state[master]
     if len(state) == 0:
@@ -124,10 +122,17 @@ def fused_adam_plan(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> A
 def fused_adam_usable(optimizer: torch.optim.Optimizer, master: torch.Tensor, *, streamed: bool = False) -> bool:
     """Whether :func:`fused_adam_plan` will give ``master`` a plan (before its state exists); with
     ``streamed``, also whether the plan suits :class:`~zspeed.train.streamed_adam.StreamedAdam` (no amsgrad)."""
+    group = _fused_group_of(optimizer, master)
+    return group is not None and not (streamed and group["amsgrad"])
+
+
+def _fused_group_of(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict[str, Any] | None:
+    """``master``'s param group when torch's fused Adam(W) kernel can step it as :func:`chunked_adam_update`
+    does, else None."""
     if not _fused_adam_eligible(optimizer, master):
-        return False
+        return None
     group = next((g for g in optimizer.param_groups if any(p is master for p in g["params"])), None)
-    return group is not None and _fused_adam_group(group) and not (streamed and group["amsgrad"])
+    return group if group is not None and _fused_adam_group(group) else None
 
 
 def _fused_adam_eligible(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> bool:
