@@ -79,6 +79,7 @@ def engine_step(engine):
 def build(system: str, args, model, device):
     """Return step(batch) -> loss for ``system``."""
     import torch
+    system, _, variant = system.partition("@")
     stage = int(system.split("-z")[1][0]) if "-z" in system else 0
     offload = "-offload" in system
     if system.startswith("zspeed"):
@@ -91,6 +92,8 @@ def build(system: str, args, model, device):
             cfg["zero_optimization"]["offload_optimizer"]["device_share"] = args.device_share
         if system.endswith("fwd"):
             cfg["zero_optimization"]["offload_optimizer"]["overlap_forward"] = True
+        if variant.startswith("pf"):  # @pfN: offload_optimizer.prefetch_depth = N
+            cfg["zero_optimization"]["offload_optimizer"]["prefetch_depth"] = int(variant[2:])
         engine, *_ = zspeed.initialize(model=model, config=cfg)
 
         return engine_step(engine)
@@ -173,6 +176,10 @@ def run_one(args) -> None:
         timed_steps = list(times)[-args.steps + 1:] or list(times)
         row["update_ms"] = {k: round(statistics.median(t[k] for t in timed_steps if k in t) * 1e3, 1)
                             for k in timed_steps[-1]}
+    streamed = getattr(offload, "streamed", None)
+    if streamed is not None:  # -dev: elements whose state went up during backward, per step on average
+        row["prefetched_per_step"] = streamed.prefetched_elements // max(1, len(losses))
+        row["streamed_per_step"] = streamed.elements // max(1, len(losses))
     if getattr(offload, "speculative", False):  # zspeed -spec: how often the clip let the speculation stand
         row["speculation"] = dict(offload.speculation)
     if args.memory_report:
@@ -279,7 +286,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=300)
     ap.add_argument("--memory-report", metavar="DIR", help="record every CUDA allocation and report (DIR/<system>-"
                     "rank<r>.json) the largest blocks alive at the peak; slows the steps")
-    ap.add_argument("--system", choices=SYSTEMS)
+    ap.add_argument("--system", type=_system, help="one of SYSTEMS; -dev systems may end in @pfN (offload_optimizer."
+                    "prefetch_depth = N), e.g. zspeed-z2-offload-devfwd@pf0")
     ap.add_argument("--host-threads", type=int, default=0,
                     help="zspeed offload systems: offload_optimizer.host_threads (0 = zspeed's auto)")
     ap.add_argument("--device-share", type=float, default=0.75,
@@ -300,6 +308,15 @@ def main() -> None:
         driver(args)
     else:
         run_one(args)
+
+
+def _system(name: str) -> str:
+    base, _, variant = name.partition("@")
+    if base not in SYSTEMS or (variant and not (base.endswith(("-dev", "-devfwd")) and variant[:2] == "pf"
+                                                and variant[2:].isdigit())):
+        raise argparse.ArgumentTypeError(f"unknown system {name!r}: use one of {SYSTEMS}, a -dev system may end "
+                                         "in @pfN")
+    return name
 
 
 def _strip_driver_values(argv: list[str]) -> list[str]:

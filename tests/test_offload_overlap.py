@@ -155,6 +155,9 @@ def _streamed_grid(topo, root: str) -> list[str]:
                 return build(topo, stage, precision, opt, clip=clip)
             exact, split = engine(0.0, "exact"), engine(share, "split")
             assert exact.offload.streamed is None
+            # [Note: prefetching the state during backward]: the CPU has no device memory to measure, so the
+            # budget is given: room for everything (share 0.5), or for ~one group's state per call (share 1).
+            split.offload.prefetch_budget = (lambda: 1 << 40) if share < 1.0 else (lambda: 12 * 10_000)
             hosts = split.offload.order
             streamed = [h for h in hosts if h.on_device]
             numel = sum(h.group.numel for h in hosts)
@@ -170,6 +173,10 @@ def _streamed_grid(topo, root: str) -> list[str]:
             if len(split.offload.update_times) < steps - 1 or any(
                     t["host_s"] < 0 or t["publish_wait_s"] < 0 for t in split.offload.update_times):
                 errors.append(f"{label}: update times {split.offload.update_times}")
+            streamer = split.offload.streamed
+            if streamer.prefetched_elements == 0 or streamer._prefetched:
+                errors.append(f"{label}: prefetched {streamer.prefetched_elements} elements, "
+                              f"{len(streamer._prefetched)} chunks left unused")
             if split.offload.streamed.elements < steps * sum(h.group.hi - h.group.lo for h in streamed):
                 errors.append(f"{label}: the device updated {split.offload.streamed.elements} elements in "
                               f"{steps} steps")
@@ -188,6 +195,57 @@ def _streamed_grid(topo, root: str) -> list[str]:
 def test_streamed_device_update_is_bit_exact(tmp_path):
     errors = run_distributed(_streamed_grid, WORLD, str(tmp_path))
     assert errors == [[], []], "\n".join(errors[0] + errors[1])
+
+
+def test_prefetch_keeps_at_most_depth_chunks_in_flight():
+    """[Note: prefetching the state during backward]: ``prefetch_depth`` uploads at a time; the next chunks go
+    once earlier ones complete (events are faked: on the CPU every event is complete at once)."""
+    from zspeed.core.device import DeviceHandle
+    from zspeed.train.host_adam import ALIGN
+    from zspeed.train.streamed_adam import StreamedAdam
+
+    class Pending:
+        def __init__(self):
+            self.done = False
+
+        def record(self, stream=None):
+            pass
+
+        def query(self):
+            return self.done
+
+    events: list[Pending] = []
+
+    class Host(DeviceHandle):  # the CPU handle, its events pending until a test says otherwise
+        def new_event(self, *, timing: bool = False) -> Pending:
+            events.append(Pending())
+            return events[-1]
+
+    dev = Host(torch.device("cpu"))
+    arrays = tuple(torch.randn(5 * ALIGN) for _ in range(3))
+    s = StreamedAdam(device=dev, chunk_numel=ALIGN, prefetch_depth=2)
+    assert s.prefetch("a", arrays, budget=1 << 40) == 2 * 12 * ALIGN
+    assert s.prefetch("a", arrays, budget=1 << 40) == 0 and s.prefetch_room() == 0
+    events[0].done = True
+    assert s.prefetch("a", arrays, budget=1 << 40) == 12 * ALIGN and not s.prefetched_whole("a")
+    for e in events:
+        e.done = True
+    assert s.prefetch("a", arrays, budget=1 << 40) == 2 * 12 * ALIGN and s.prefetched_whole("a")
+    prefetched = sorted(lo for _, lo in s._prefetched)
+    assert prefetched == [i * ALIGN for i in range(5)]
+    for lo in prefetched:  # each chunk holds its own slice of the three host arrays
+        assert all(torch.equal(d, a[lo:lo + ALIGN]) for d, a in zip(s._prefetched["a", lo].arrays, arrays))
+    assert s.prefetch("b", arrays, budget=1 << 40) == 0  # the last two are still on their way
+    for e in events:
+        e.done = True
+    assert s.prefetch("b", arrays, budget=12 * ALIGN) == 12 * ALIGN and not s.prefetched_whole("b")
+    s.drop_prefetched()
+    assert not s._prefetched and not s.prefetched_whole("a")
+    off = StreamedAdam(device=dev, chunk_numel=ALIGN, prefetch_depth=0)
+    assert off.prefetch("a", arrays, budget=1 << 40) == 0 and not off._prefetched
+    import pytest
+    with pytest.raises(ValueError, match="prefetch_depth counts chunks in flight"):
+        StreamedAdam(device=dev, prefetch_depth=-1)
 
 
 def _streamed_combinations(topo, root: str) -> list[str]:
@@ -232,7 +290,8 @@ def test_device_share_config_key():
 
     for extra, match in (({"device": "cpu", "device_share": 1.5}, "a fraction of the parameters, 0 to 1"),
                          ({"device": "nvme", "nvme_path": "/tmp/x", "device_share": 0.5}, "Offload to 'cpu'"),
-                         ({"device": "cpu", "device_share": 0.5, "delayed_update": 2}, "set one of them")):
+                         ({"device": "cpu", "device_share": 0.5, "delayed_update": 2}, "set one of them"),
+                         ({"device": "cpu", "prefetch_depth": -1}, "prefetch_depth must be an integer >= 0")):
         cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2, "offload_optimizer": extra}}
         with pytest.raises(ConfigError, match=match):
             load_config(cfg, world_size=1)

@@ -289,6 +289,9 @@ class OptimizerOffload:
         self._timing: tuple | None = None
         self._host_end = 0.0
         self._publish_wait = 0.0  # seconds the main thread waited for the worker while publishing
+        # Device bytes the streamed update may take during backward to upload state ahead of the step
+        # ([Note: prefetching the state during backward]); replaced by tests.
+        self.prefetch_budget = self._memory_under_peak
         self._hook_handles: list = []
 
     def _open_store(self) -> TensorStore:
@@ -371,6 +374,7 @@ class OptimizerOffload:
         dev.record_stream(grad, self.d2h)
         h.device_grad = grad
         h.sent = True
+        self._prefetch_state()
 
     def _send(self, h: _Host, grad: torch.Tensor, *, after) -> None:
         dev = self.device
@@ -386,6 +390,7 @@ class OptimizerOffload:
             h.grad_ready.record(self.d2h)
         dev.record_stream(grad, self.d2h)
         h.sent = True
+        self._prefetch_state()
         speculate = self.speculative and self.speculate_next
         if (self.early_start or speculate) and h.job is None:
             self._submit(h, self._optimizer, 1.0, delayed=False, speculative=speculate)
@@ -405,6 +410,8 @@ class OptimizerOffload:
             if h.grad_ready is not None:
                 h.grad_ready.synchronize()
             h.device_grad = None
+        if self.streamed is not None:
+            self.streamed.drop_prefetched()
 
     def step(self, optimizer: torch.optim.Optimizer, grad_scale: float, *, delay: bool = False) -> None:
         """Update every group (``grad × grad_scale`` is the gradient) and publish the new parameters;
@@ -511,18 +518,13 @@ class OptimizerOffload:
             if not h.on_device:
                 continue
             master = h.group.master
-            if master.device.type == "cpu" and self.device.can_pin and not master.is_pinned():
-                master.data = torch.empty(master.shape, dtype=master.dtype, pin_memory=True).copy_(master)
-            fused_adam_plan(optimizer, master)  # makes the state on the first step
-            if self.device.can_pin:
-                pin_state(optimizer.state[master], ("exp_avg", "exp_avg_sq"))
-            plan = fused_adam_plan(optimizer, master)
+            plan = self._streamed_plan(master, optimizer)
             grad, ready = h.device_grad, h.grad_ready
             if grad is None:  # (never sent: no gradient this step) zeros, made before the update reads them
                 grad = torch.zeros(master.numel(), dtype=h.group.dtype, device=self.device.device)
                 ready = self.device.new_event()
                 ready.record(self.device.current_stream())
-            h.computed = self.streamed.update(plan, master=master, grad=grad, scale=grad_scale,
+            h.computed = self.streamed.update(plan, master=master, grad=grad, scale=grad_scale, key=h.key,
                                               out=self._destination(h.group), grad_ready=ready)
             h.device_grad = None
             record_step(optimizer)
@@ -727,6 +729,39 @@ class OptimizerOffload:
         h.out.copy_(arrays["master"])
         self._upload(h)
 
+    def _streamed_plan(self, master: torch.Tensor, optimizer: torch.optim.Optimizer):
+        """A streamed group's fused-Adam plan, its state made (first step) and pinned (copies from pageable
+        memory are staged through a bounce buffer at a fraction of the link's speed)."""
+        if master.device.type == "cpu" and self.device.can_pin and not master.is_pinned():
+            master.data = torch.empty(master.shape, dtype=master.dtype, pin_memory=True).copy_(master)
+        fused_adam_plan(optimizer, master)  # makes the state on the first step
+        if self.device.can_pin:
+            pin_state(optimizer.state[master], ("exp_avg", "exp_avg_sq"))
+        return fused_adam_plan(optimizer, master)
+
+    def _memory_under_peak(self) -> int:
+        """Device bytes that can be taken now without raising this process's peak: the peak so far (the
+        forward's, at the loss, when backward runs) less what is allocated, less a margin for what backward
+        itself still allocates (a layer's gradients and temporaries)."""
+        dev = self.device
+        if not dev.is_cuda:
+            return 0
+        return dev.max_memory_allocated() - dev.memory_allocated() - PREFETCH_MARGIN
+
+    def _prefetch_state(self) -> None:
+        """Upload streamed groups' state while backward frees memory ([Note: prefetching the state during
+        backward]): in the order the update will take them, whole chunks, within :attr:`prefetch_budget`."""
+        if self.streamed is None or not self.boundary or self.streamed.prefetch_room() <= 0:
+            return
+        budget = self.prefetch_budget()
+        for h in self._need_order:
+            if budget <= 0 or self.streamed.prefetch_room() <= 0:
+                return
+            if h.on_device and not self.streamed.prefetched_whole(h.key):
+                master = h.group.master
+                plan = self._streamed_plan(master, self._optimizer)
+                budget -= self.streamed.prefetch(h.key, (master, plan.exp_avg, plan.exp_avg_sq), budget=budget)
+
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizer = optimizer
         self._choose_streamed(optimizer)
@@ -759,7 +794,7 @@ class OptimizerOffload:
             h.on_device = True
             taken += h.group.numel
         if self.streamed is None and taken:
-            self.streamed = StreamedAdam(device=self.device)
+            self.streamed = StreamedAdam(device=self.device, prefetch_depth=self.config.prefetch_depth)
 
     def close(self) -> None:
         self.drain()
@@ -771,6 +806,11 @@ class OptimizerOffload:
             self.streamed.close()
         if self.store is not None:
             self.store.close()
+
+
+# What backward may still allocate beyond the memory it has freed when a prefetch is decided: a layer's 16-bit
+# gradients and the temporaries of its backward (~0.3 GiB for a 2048-wide layer at 8K tokens), with room to spare.
+PREFETCH_MARGIN = 1 << 30
 
 
 def _step_tensor(value: float) -> torch.Tensor:

@@ -31,6 +31,33 @@ order on the D2H stream, then an event), so the host arrays are never read
 half-written; anything on the host that reads them (checkpoints, exports) calls
 :meth:`StreamedAdam.wait` first.
 
+[Note: prefetching the state during backward]
+With clipping nothing can be updated before the global norm, i.e. before
+backward ends; but uploading a streamed group's state does not depend on the
+norm, and during backward the link's host-to-device direction is idle while
+backward frees the forward's activations. So each time a gradient is sent
+(during backward on CUDA), :class:`~zspeed.train.offload.OptimizerOffload`
+asks this object to upload whole chunks of the streamed groups' state, in the
+order the update will take them, into fresh device buffers, within a budget:
+the process's peak so far (reached by the forward, at the loss) less what is
+allocated now, less a margin for what backward still allocates
+(``PREFETCH_MARGIN``). So prefetching should not raise the peak the forward
+set (the benchmark's peak memory checks it). :meth:`StreamedAdam.update` then
+computes on a prefetched chunk without uploading it, and its buffers go back
+to the allocator once the chunk's download has run. The uploads wait for the
+last step's downloads (the host arrays are whole again); a skipped step (fp16
+overflow) drops them.
+
+Only ``prefetch_depth`` chunks are on their way at once (the next ones are
+queued by later gradients' hooks, as earlier uploads complete), so prefetching
+ends about when backward does. Queued all at once (measured on an H100, ~5 GB
+for 0.8 B elements), the uploads outlasted backward by ~70 ms, and the host
+groups' new parameters, uploaded after their CPU update, waited behind them:
+the step got slower although the device part's state was ready earlier. With
+16 in flight the same step went from 394 ms (no prefetch) to 360 ms, ~600 M of
+its 835 M streamed elements uploaded during backward (benchmarks/RESULTS.md,
+session 8).
+
 [Note: device memory across streams]
 The caching allocator hands a freed block to the next allocation *on the same
 stream* at once, trusting stream order: the block's last reader was queued on
@@ -52,6 +79,7 @@ rounding may differ from the CPU kernel's in the last bit.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,21 +100,30 @@ DEFAULT_CHUNK_NUMEL = 1 << 23
 class _Slot:
     """One chunk's worth of device memory: master, exp_avg, exp_avg_sq and the fp32 gradient."""
 
-    arrays: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    arrays: tuple[torch.Tensor, ...]
     free: Any = None  # event after this slot's last download
+    loaded: Any = None  # a prefetched chunk: event after its upload
 
 
 class StreamedAdam:
     """Fused Adam(W) updates of host-resident groups, run on the device (see [Note: the streamed device update])."""
 
-    def __init__(self, *, device: DeviceHandle, chunk_numel: int = DEFAULT_CHUNK_NUMEL, slots: int = 3):
+    def __init__(self, *, device: DeviceHandle, chunk_numel: int = DEFAULT_CHUNK_NUMEL, slots: int = 3,
+                 prefetch_depth: int = 16):
         if chunk_numel < ALIGN or chunk_numel % ALIGN:
             raise ValueError(f"StreamedAdam: chunk_numel must be a positive multiple of {ALIGN}, got {chunk_numel}")
         if slots < 2:
             raise ValueError(f"StreamedAdam: needs at least 2 slots (one uploading while one computes), got {slots}")
+        if prefetch_depth < 0:
+            raise ValueError(f"StreamedAdam: prefetch_depth counts chunks in flight, >= 0; got {prefetch_depth}")
         self.device, self.chunk, self.num_slots = device, chunk_numel, slots
         self.h2d, self.compute, self.d2h = device.new_stream(), device.new_stream(), device.new_stream()
         self._slots: list[_Slot] = []
+        self._prefetched: dict[tuple[Any, int], _Slot] = {}  # (key, first element) -> an uploaded chunk
+        self.prefetched_elements = 0  # elements whose state was uploaded ahead of update() (a count)
+        self.prefetch_depth = prefetch_depth
+        self._in_flight: deque = deque()  # upload events of prefetched chunks not yet seen complete, oldest first
+        self._whole: set = set()  # keys every chunk of which is prefetched for the coming update
         self._next = 0
         self._fresh = True  # no update enqueued since the last release(): the next one waits for old downloads
         self.done = None  # event after the last download enqueued
@@ -105,8 +142,57 @@ class StreamedAdam:
         self._next += 1
         return s
 
+    def prefetch_room(self) -> int:
+        """How many more chunks :meth:`prefetch` may start now: ``prefetch_depth`` less the uploads still
+        running (they complete in the order they were queued, on one stream)."""
+        while self._in_flight and self._in_flight[0].query():
+            self._in_flight.popleft()
+        return self.prefetch_depth - len(self._in_flight)
+
+    def prefetch(self, key: Any, arrays: tuple[torch.Tensor, torch.Tensor, torch.Tensor], *, budget: int) -> int:
+        """Upload whole chunks of one group's host state (master, exp_avg, exp_avg_sq) ahead of its
+        :meth:`update` with the same ``key``, while their bytes fit in ``budget``; returns the bytes taken
+        (see [Note: prefetching the state during backward]). Chunks already uploaded are skipped."""
+        dev, taken = self.device, 0
+        n = arrays[0].numel()
+        host = [t.view(-1) for t in arrays]
+        for lo in range(0, n, self.chunk):
+            if (key, lo) in self._prefetched:
+                continue
+            k = min(n, lo + self.chunk) - lo
+            if taken + 12 * k > budget or self.prefetch_room() <= 0:
+                break
+            if self._fresh:  # the last step's downloads land before these uploads read the host arrays
+                self.h2d.wait_stream(self.d2h)
+                self._fresh = False
+            with dev.use_stream(self.h2d):  # allocated where first written ([Note: device memory across streams])
+                dest = tuple(dev.empty((k,), dtype=torch.float32) for _ in range(3))
+                for d, src in zip(dest, host):
+                    d.copy_(src[lo:lo + k], non_blocking=True)
+                loaded = dev.new_event()
+                loaded.record(self.h2d)
+            self._prefetched[key, lo] = _Slot(arrays=dest, loaded=loaded)
+            self._in_flight.append(loaded)
+            taken += 12 * k
+            self.prefetched_elements += k
+        else:
+            self._whole.add(key)
+        return taken
+
+    def prefetched_whole(self, key: Any) -> bool:
+        """Whether :meth:`prefetch` has uploaded every chunk under ``key`` for the coming update."""
+        return key in self._whole
+
+    def drop_prefetched(self) -> None:
+        """Forget every prefetched chunk (a skipped step: no update will use them)."""
+        for slot in self._prefetched.values():
+            for t in slot.arrays:
+                self.device.record_stream(t, self.h2d)
+        self._prefetched.clear()
+        self._whole.clear()
+
     def update(self, plan: AdamPlan, *, master: torch.Tensor, grad: torch.Tensor, scale: float,
-               out: torch.Tensor, grad_ready: Any) -> Any:
+               out: torch.Tensor, grad_ready: Any, key: Any = None) -> Any:
         """Enqueue ``master.grad = fp32(grad) × scale; optimizer.step(); out.copy_(master)`` on the device.
 
         ``master`` and ``plan``'s moments are host tensors (pinned on CUDA), ``grad`` and ``out`` device
@@ -114,7 +200,7 @@ class StreamedAdam:
         the gradient. Returns at once on CUDA; ``out`` is written on :attr:`compute` (make the stream that
         reads it wait for that stream, or for the returned event, after which ``out`` is written) and the
         host arrays on :attr:`d2h` (call :meth:`wait` before the host reads them). Steps ``plan.step``
-        once, as the host path does."""
+        once, as the host path does. Chunks :meth:`prefetch` uploaded under ``key`` are not uploaded again."""
         n = master.numel()
         if grad.numel() != n or out.numel() != n:
             raise ValueError(f"StreamedAdam.update: master has {n} elements, its gradient {grad.numel()} and its "
@@ -137,18 +223,26 @@ class StreamedAdam:
                 self._fresh = False
             if grad_ready is not None:
                 self.compute.wait_event(grad_ready)
+            self._whole.discard(key)
             for lo in range(0, n, self.chunk):
                 hi = min(n, lo + self.chunk)
                 k = hi - lo
-                slot = self._slot()
-                p, m, v, gbuf = (a[:k] for a in slot.arrays)
-                if slot.free is not None:
-                    self.h2d.wait_event(slot.free)
-                with dev.use_stream(self.h2d):
-                    for d, src in zip((p, m, v), host):
-                        d.copy_(src[lo:hi], non_blocking=True)
-                    loaded = dev.new_event()
-                    loaded.record(self.h2d)
+                ahead = self._prefetched.pop((key, lo), None) if key is not None else None
+                if ahead is not None:  # uploaded during backward
+                    slot, loaded = ahead, ahead.loaded
+                    p, m, v = ahead.arrays
+                    with dev.use_stream(self.compute):
+                        gbuf = dev.empty((k,), dtype=torch.float32)
+                else:
+                    slot = self._slot()
+                    p, m, v, gbuf = (a[:k] for a in slot.arrays)
+                    if slot.free is not None:
+                        self.h2d.wait_event(slot.free)
+                    with dev.use_stream(self.h2d):
+                        for d, src in zip((p, m, v), host):
+                            d.copy_(src[lo:hi], non_blocking=True)
+                        loaded = dev.new_event()
+                        loaded.record(self.h2d)
                 self.compute.wait_event(loaded)
                 with dev.use_stream(self.compute):
                     gbuf.copy_(g[lo:hi])
@@ -164,6 +258,10 @@ class StreamedAdam:
                         d[lo:hi].copy_(src, non_blocking=True)
                     slot.free = dev.new_event()
                     slot.free.record(self.d2h)
+                if ahead is not None:  # its memory goes back once the download has run
+                    for t in ahead.arrays:
+                        dev.record_stream(t, self.compute)
+                        dev.record_stream(t, self.d2h)
             dev.record_stream(grad, self.compute)
             dev.record_stream(out, self.compute)
             self.done = dev.new_event(timing=True)
@@ -180,6 +278,7 @@ class StreamedAdam:
                 for stream in (self.h2d, self.compute, self.d2h):
                     self.device.record_stream(t, stream)
         self._slots.clear()
+        self.drop_prefetched()  # (none left after a step that updated every group it prefetched)
         self._next = 0
         self._fresh = True
 
