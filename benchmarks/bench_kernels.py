@@ -32,7 +32,7 @@ import torch.nn.functional as F
 SHAPES = [(8192, 8192), (8192, 28672), (28672, 8192)]  # (K in_features, N out_features)
 MS = [1, 4, 16, 64, 256, 4096]
 # M where a path is worth timing, per format (the generic split-K / tiled paths only where no word path runs)
-_WORD = {"gemv": (1, 16), "wdot": (4, 4096), "dense": (64, 4096)}
+_WORD = {"gemv": (1, 16), "wdot": (1, 4096), "dense": (64, 4096)}  # wdot at every M (tensor cores)
 _SPARSE = {"gemv": (1, 16), "splitk": (4, 64), "tiled": (64, 1024), "dense": (64, 4096)}
 PATH_RANGE = {"w4a16": _WORD, "w8a16": _WORD, "sparse24": {**_SPARSE, "semi": (64, 4096)}, "sparse24_w4a16": _SPARSE}
 TARGETS = [("w4a16", 1, 3.0), ("w4a16", 16, 2.5), ("w4a16", 64, 1.0), ("w8a16", 1, 1.8), ("sparse24", 1, 1.5),

@@ -12,7 +12,9 @@ Two paths, both for weights whose packed rows can be read as int32 words
   (``_stationary_kernels``, [Note: x-stationary GEMV]): one program per (row of
   ``x``, slice of ``K``, run of weight rows), its slice of ``x`` held in registers
   while weight rows stream past; slices meet in one launch.
-- ``wdot`` (INT8 / INT4, more rows): ``tl.dot`` per field plane.
+- ``wdot`` (INT8 / INT4, more rows), on tensor cores, two kernels tuned against each
+  other: ``tl.dot`` per field plane (``_word_kernels``), and one ``tl.dot`` of full depth
+  per tile, either orientation (``_wmma_kernels``, [Note: full-depth wdot]).
 
 [Note: kernel tuning]
 ``triton.autotune`` would have to allocate the output before it knows whether
@@ -60,6 +62,9 @@ class WordConfig:
     xnat: bool = False  # gemv: x read in natural order, no plane-major copy (same note)
     row_blocks: int = 0  # gemv: > 0 picks the x-stationary kernel, BLOCK_N-row blocks per program; block_w is
     # then its slice of K in words and split_k the number of slices
+    full_depth: bool = False  # wdot: one dot per tile ([Note: full-depth wdot] in _wmma_kernels), not per plane
+    order: int = 0  # full_depth: the tile's column order ([Note: full-depth wdot]), 0 or 3 natural, 1 or 2 planes
+    swap: bool = False  # full_depth: acc^T = w @ x^T, weight rows on the MMA's M side ([Note: swap-AB])
 
 
 @functools.cache
@@ -67,6 +72,13 @@ def _kernels():
     from . import _word_kernels
 
     return _word_kernels
+
+
+@functools.cache
+def _wmma_kernels():
+    from . import _wmma_kernels
+
+    return _wmma_kernels
 
 
 @functools.cache
@@ -182,25 +194,71 @@ def stationary_candidates(fmt: int, m: int, n: int, kw: int, group: int, device:
     return out
 
 
-def wdot_candidates(fmt: int, m: int, n: int, kw: int, group: int, device: torch.device) -> list[WordConfig]:
-    bw = 16 if fmt == FMT_W4 else 32  # INT4: 16 words = 128 columns (one g128 group); INT8: 32 words = 128 columns
+# (BM, BN, warps, stages, swap) of the full-depth wdot; order 3 (interleaved natural order) throughout: on an H100
+# it beat the reshaped and the plane orders at every M timed (8192x8192, M = 16, 64, 256), the per-plane kernel too
+FULL_TILES = ((16, 64, 4, 4, False), (16, 128, 4, 3, False), (16, 64, 4, 4, True), (16, 128, 4, 4, True),
+              (32, 64, 4, 4, False), (32, 128, 4, 3, False), (32, 64, 4, 4, True), (32, 128, 4, 4, True),
+              (64, 64, 4, 4, True), (64, 128, 8, 3, True), (64, 128, 4, 3, False), (64, 256, 8, 3, False),
+              (128, 64, 4, 3, False), (128, 128, 8, 3, False), (128, 256, 8, 3, False),
+              (256, 128, 8, 3, False), (256, 64, 8, 3, False))
+
+
+def _full_block_w(fmt: int, group: int) -> int | None:
+    """Words per full-depth tile: 128 columns where the groups allow, at least the 16 columns of one MMA step."""
+    if fmt == FMT_W4 and group % CPW[fmt]:
+        return None  # a word would straddle two groups
+    return next((bw for bw in (128 // CPW[fmt], 64 // CPW[fmt], 32 // CPW[fmt], 16 // CPW[fmt])
+                 if _group_ok(fmt, bw, group, 0)), None)
+
+
+def _splits(progs: int, tiles: int, sms: int, waves: tuple[int, ...] = (1,)) -> list[int]:
+    """No split, and for each of ``waves`` the smallest power of two that gives that many programs per SM
+    (at least 4 tiles each)."""
+    out = {1}
+    for wave in waves:
+        s = 1
+        while progs * s < wave * sms and s < tiles // 4:
+            s *= 2
+        out.add(s)
+    return sorted(out)
+
+
+def full_depth_candidates(fmt: int, m: int, n: int, kw: int, group: int, device: torch.device) -> list[WordConfig]:
+    """Full-depth wdot configs ([Note: full-depth wdot]): one row block for up to 64 rows, else blocks of 128 or
+    256 rows; split-K to fill the GPU once or four times over."""
+    bw = _full_block_w(fmt, group)
+    if bw is None:
+        return []
     if interpreting() or device.type != "cuda":
-        return [WordConfig(16, 32, bw, 1, 1)]
+        return [WordConfig(16, 32, bw, 1, 1, full_depth=True, order=3)]
+    sms = _sm_count(device.index or 0)
+    mb = m_bucket(m)
+    out = []
+    for bm, bn, warps, stages, swap in FULL_TILES:
+        if bm > max(16, mb) or bm < (max(16, mb) if mb <= 64 else 128):
+            continue
+        for sp in _splits(cdiv(m, bm) * cdiv(n, bn), cdiv(kw, bw), sms, (1, 4)):
+            out.append(WordConfig(bm, bn, bw, sp, warps, stages, full_depth=True, order=3, swap=swap))
+    return out
+
+
+def wdot_candidates(fmt: int, m: int, n: int, kw: int, group: int, device: torch.device) -> list[WordConfig]:
+    """The full-depth kernel's configs first (the interpreter runs the first), then the per-plane kernel's."""
+    full = full_depth_candidates(fmt, m, n, kw, group, device)
+    bw = 16 if fmt == FMT_W4 else 32  # INT4: 16 words = 128 columns (one g128 group); INT8: 32 words = 128 columns
+    if not _group_ok(fmt, bw, group, kw):
+        return full  # the per-plane kernel's 128-column tiles would straddle groups (e.g. g192)
+    if interpreting() or device.type != "cuda":
+        return full + [WordConfig(16, 32, bw, 1, 1)]
     sms = _sm_count(device.index or 0)
     out = []
     mb = m_bucket(m)
     for bm, bn, warps, stages in WDOT_TILES:
         if bm > max(16, mb) or (bm < mb // 4 and bm < 64):
             continue
-        tiles = cdiv(kw, bw)
         progs = cdiv(m, bm) * cdiv(n, bn)
-        splits = {1}
-        s = 1
-        while progs * s < sms and s < tiles // 4:
-            s *= 2
-        splits.add(s)
-        out += [WordConfig(bm, bn, bw, sp, warps, stages) for sp in sorted(splits)]
-    return out or [WordConfig(16, 64, bw, 1, 4, 3)]
+        out += [WordConfig(bm, bn, bw, sp, warps, stages) for sp in _splits(progs, cdiv(kw, bw), sms)]
+    return full + (out or [WordConfig(16, 64, bw, 1, 4, 3)])
 
 
 _BEST: dict[tuple, WordConfig] = {}
@@ -333,19 +391,23 @@ def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
 def run_wdot(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> torch.Tensor:
     if fmt not in (FMT_W8, FMT_W4):
         raise ValueError(f"the wdot path has no kernel for format {fmt}; use gemv, tiled or dense")
+    if fmt == FMT_W4 and group % CPW[fmt]:
+        raise ValueError(f"the wdot path needs INT4 groups of a multiple of 8 columns, got {group}; use tiled")
     m, kw = x.shape[0], words.shape[1]
-    xp = plane_major(x, CPW[fmt])
     zz = z if z is not None else s
 
-    def launch(c: WordConfig) -> torch.Tensor:
+    def launch(c: WordConfig) -> torch.Tensor:  # the plane-major copy, where read, is timed with the kernel
+        xs = x if c.full_depth and c.order != 2 else plane_major(x, CPW[fmt])
         out = _out(m, n, x, c.split_k)
-        _kernels().wdot_kernel[(cdiv(m, c.block_m), cdiv(n, c.block_n), c.split_k)](
-            xp, words, s, zz, out, m, n, k, kw, c.split_k,
-            xp.stride(0), words.stride(0), s.stride(0) if s.dim() > 1 else 1, out.stride(0),
+        kernel = _wmma_kernels().wmma_kernel if c.full_depth else _kernels().wdot_kernel
+        extra = dict(ORDER=c.order, SWAP=c.swap) if c.full_depth else {}
+        kernel[(cdiv(m, c.block_m), cdiv(n, c.block_n), c.split_k)](
+            xs, words, s, zz, out, m, n, k, kw, c.split_k,
+            xs.stride(0), words.stride(0), s.stride(0) if s.dim() > 1 else 1, out.stride(0),
             FMT=fmt, GROUP=group, HAS_ZEROS=z is not None, ATOMIC=c.split_k > 1,
             DOT_F32=interpreting() or x.dtype == torch.float32, CPW=CPW[fmt], BLOCK_M=c.block_m,
             BLOCK_N=c.block_n, BLOCK_W=c.block_w, EVEN_W=kw % c.block_w == 0, num_warps=c.warps,
-            num_stages=c.stages)
+            num_stages=c.stages, **extra)
         return out if c.split_k == 1 else out.to(x.dtype)
 
     key = ("wdot", fmt, group, z is not None, m_bucket(m), n, k, x.dtype)

@@ -269,6 +269,18 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, meta_ptr, out_ptr, M, N, K, KW, SPLI
         tl.store(optrs, out.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
+@triton.jit
+def _mma_program(M, N, KW, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """A tensor-core program's rows of ``x``, weight rows, their masks and its tiles of words ``[t_lo, t_hi)``:
+    grid ``(cdiv(M, BM), cdiv(N, BN), SPLIT_K)``, the ``K`` tiles split evenly over axis 2."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_tiles = tl.cdiv(KW, BLOCK_W)
+    per_split = tl.cdiv(n_tiles, SPLIT_K)
+    t_lo = tl.program_id(2) * per_split
+    return offs_m, offs_n, offs_m < M, offs_n < N, t_lo, tl.minimum(t_lo + per_split, n_tiles)
+
+
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
 def wdot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, KW, SPLIT_K,
                 stride_xm, stride_wn, stride_sn, stride_om,
@@ -278,17 +290,7 @@ def wdot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, KW, SPLIT_K,
     """INT8 / INT4 GEMM on tensor cores: each field plane, dequantized in registers (rounded to the
     input dtype exactly as the reference rounds the dense weight), is one ``tl.dot`` of depth
     ``BLOCK_W`` with the matching strided columns of ``x``. Grid ``(cdiv(M, BM), cdiv(N, BN), SPLIT_K)``."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mmask = offs_m < M
-    nmask = offs_n < N
-    n_tiles = tl.cdiv(KW, BLOCK_W)
-    per_split = tl.cdiv(n_tiles, SPLIT_K)
-    t_lo = pid_k * per_split
-    t_hi = tl.minimum(t_lo + per_split, n_tiles)
+    offs_m, offs_n, mmask, nmask, t_lo, t_hi = _mma_program(M, N, KW, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_W)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for t in range(t_lo, t_hi):
         offs_w = t * BLOCK_W + tl.arange(0, BLOCK_W)
@@ -324,6 +326,14 @@ def wdot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, KW, SPLIT_K,
                              input_precision="ieee")
             else:
                 acc = tl.dot(x, tl.trans(plane.to(x.dtype)), acc)
+    _mma_store(acc, out_ptr, s_ptr, offs_m, offs_n, mmask, nmask, stride_om, FMT, ATOMIC)
+
+
+@triton.jit
+def _mma_store(acc, out_ptr, s_ptr, offs_m, offs_n, mmask, nmask, stride_om, FMT: tl.constexpr,
+               ATOMIC: tl.constexpr):
+    """Store a ``(BM, BN)`` fp32 accumulator (INT8: times the per-channel scale): fp32 atomics into a zeroed
+    buffer where ``K`` is split, else in the output's dtype."""
     if FMT == 0:
         acc *= tl.load(s_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     optrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]

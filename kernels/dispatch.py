@@ -6,7 +6,9 @@ reading 4-bit or sparse weights wins: ``gemv`` (word-wise, CUDA cores) for up to
 ``dense_min_m``; plain 2:4 from ``semi_min_m`` rows on runs on the sparse tensor
 cores (``semi``). The defaults come from the H200 run in benchmarks/RESULTS.md
 (gemv beats wdot only at one row; wdot beats dequantize + cuBLAS up to 64 rows;
-sparse tensor cores beat everything for 2:4 from 256 rows). Shapes the word kernels cannot read, and the 2:4 formats above
+sparse tensor cores beat everything for 2:4 from 256 rows); since the full-depth
+``wdot`` kernel (session 8, H100) it also beats dequantize + cuBLAS at 256 rows for
+INT8 and INT4, so those go dense only from 512 rows. Shapes the word kernels cannot read, and the 2:4 formats above
 ``gemv_max_m``, use the generic skeleton: split-K keeps the GPU full when the
 output has few tiles. At medium ``M`` a tiled GEMM still saves bytes. At large ``M`` the
 matmul is compute-bound and cuBLAS beats any Triton GEMM, so the weight is
@@ -32,7 +34,7 @@ class KernelPolicy:
 
     gemv_max_m: int = 1
     splitk_max_m: int = 64
-    dense_min_m: tuple[tuple[str, int], ...] = (("w8a16", 128), ("w4a16", 128), ("sparse24", 512),
+    dense_min_m: tuple[tuple[str, int], ...] = (("w8a16", 512), ("w4a16", 512), ("sparse24", 512),
                                                  ("sparse24_w4a16", 128))
     semi_min_m: int = 128
     force: str | None = None

@@ -154,6 +154,7 @@ def test_word_paths_refuse_what_they_cannot_read():
     policy = kernel_policy()
     assert policy.path("w4a16", 1) == "gemv" and policy.path("w4a16", 64) == "wdot"
     assert policy.path("w4a16", 4096) == "dense" and policy.path("sparse24", 16) == "splitk"
+    assert policy.path("w4a16", 256) == "wdot" and policy.path("w8a16", 512) == "dense"
     assert policy.path("w4a16", 1, words=False) == "splitk" and policy.path("w8a16", 100, words=False) == "tiled"
     assert policy.path("sparse24", 4096, semi=True) == "semi" and policy.path("sparse24", 4096) == "dense"
     with pytest.raises(ValueError, match="semi path needs CUDA"):
@@ -237,6 +238,77 @@ def test_stationary_sparse24_int4_matches_reference(m, n, k, group, sym, dtype):
     for c in (cfg, cfg, dataclasses.replace(cfg, split_k=1, block_w=words.shape[1])) if k <= 256 else (cfg, cfg):
         out = _word.run_stationary(x, words, q.scales, q.zeros, c, fmt=_word.FMT_S24W4, group=group, n=n, meta=meta)
         _close(out, ref, dtype)
+
+
+def _word_case(fmt, m, n, k, group, sym, dtype, seed):
+    """``(x, words, scales, zeros, format, reference)`` for the word kernels' launchers."""
+    from zspeed.kernels import _word
+
+    x, w = _inputs(m, n, k, dtype, seed=seed)
+    if fmt == "w4":
+        q = quantize_int4(w, group_size=group, symmetric=sym, pad_groups=True)
+        return x, q.qweight.view(torch.int32), q.scales, q.zeros, _word.FMT_W4, w4a16_ref(x, q.qweight, q.scales,
+                                                                                           q.zeros, group)
+    q = quantize_int8(w)
+    return x, q.qweight.view(torch.int32), q.scales, None, _word.FMT_W8, w8a16_ref(x, q.qweight, q.scales)
+
+
+def _run_wdot_with(monkeypatch, cfg, x, words, s, z, f, group, n):
+    from zspeed.kernels import _word
+
+    monkeypatch.setattr(_word, "wdot_candidates", lambda *a: [cfg])
+    _word._BEST.clear()
+    try:
+        return _word.run_wdot(x, words, s, z, None, fmt=f, group=group, n=n, k=x.shape[1])
+    finally:
+        _word._BEST.clear()
+
+
+@needs_interp
+@pytest.mark.parametrize("fmt,m,n,k,group,sym,dtype", [
+    ("w4", 17, 40, 320, 128, False, torch.bfloat16), ("w4", 5, 72, 512, 128, True, torch.float32),
+    ("w4", 5, 40, 192, 64, False, torch.float16), ("w4", 17, 24, 256, 32, True, torch.bfloat16),
+    ("w8", 17, 40, 320, 0, True, torch.bfloat16), ("w8", 5, 72, 256, 0, True, torch.float32)])
+def test_full_depth_wdot_matches_reference(monkeypatch, fmt, m, n, k, group, sym, dtype):
+    """[Note: full-depth wdot]: every column order of the tile (natural; planes gathered from x; planes from the
+    plane-major copy), both orientations ([Note: swap-AB]), one K slice or three (fp32 atomics); odd M over
+    two row blocks, N over a partial block, K words a multiple of the tile (k=512 INT4) or not, tiles inside one
+    group (g128) or spanning two or four (g64, g32). Random data: a wrong column or field order is far off."""
+    from zspeed.kernels import _word
+
+    x, words, s, z, f, ref = _word_case(fmt, m, n, k, group, sym, dtype, seed=12)
+    bw = 16 if fmt == "w4" else 32
+    for order in (0, 1, 2, 3):
+        for swap in (False, True):
+            for split in (1, 3):
+                cfg = _word.WordConfig(16, 32, bw, split, 1, full_depth=True, order=order, swap=swap)
+                _close(_run_wdot_with(monkeypatch, cfg, x, words, s, z, f, group, n), ref, dtype)
+
+
+@needs_interp
+@pytest.mark.parametrize("fmt,m,n,k,group,sym,dtype", [
+    ("w4", 5, 40, 320, 128, False, torch.bfloat16), ("w4", 17, 24, 384, 192, False, torch.float32),
+    ("w8", 5, 40, 320, 0, True, torch.float16)])
+def test_wdot_kernels_both_run_from_the_candidates(monkeypatch, fmt, m, n, k, group, sym, dtype):
+    """The first candidate (the one the interpreter runs) is the full-depth kernel with a tile that fits the
+    groups (g192: 64 columns, and no per-plane candidate, whose 128-column tiles would straddle groups); the
+    per-plane kernel still gives the reference, split or not."""
+    from zspeed.kernels import _word
+
+    x, words, s, z, f, ref = _word_case(fmt, m, n, k, group, sym, dtype, seed=13)
+    cands = _word.wdot_candidates(f, m, n, words.shape[1], group, x.device)
+    assert cands[0].full_depth and cands[-1].full_depth == (group == 192), cands
+    assert cands[0].block_w * _word.CPW[f] == (64 if group == 192 else 128)
+    for cfg in (cands[0], cands[-1], dataclasses.replace(cands[-1], split_k=2)):
+        _close(_run_wdot_with(monkeypatch, cfg, x, words, s, z, f, group, n), ref, dtype)
+
+
+@needs_interp
+def test_wdot_refuses_groups_that_split_a_word():
+    x, w = _inputs(3, 16, 64, torch.float32)
+    q = quantize_int4(w, group_size=4)
+    with pytest.raises(ValueError, match="multiple of 8 columns"):
+        w4a16_matmul(x, q.qweight, q.scales, q.zeros, 4, path="wdot")
 
 
 def _run_in_subprocess():

@@ -22,6 +22,44 @@ def test_cache_round_trip_across_instances(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))  # the temporary file was renamed, not left behind
 
 
+def test_full_depth_configs_round_trip(tmp_path):
+    """The full-depth wdot fields ([Note: full-depth wdot]) come back as they went in, and an entry written
+    before they existed is ignored (re-tuned), not misread."""
+    path = tmp_path / "gpu.json"
+    key = ("wdot", 1, 128, True, 16, 8192, 8192, torch.bfloat16)
+    cfg = _word.WordConfig(16, 128, 16, 4, 4, 4, full_depth=True, order=1, swap=True)
+    TuningCache(path).put(key, cfg)
+    assert TuningCache(path).get(key) == cfg
+    data = json.loads(path.read_text())
+    for name in ("full_depth", "order", "swap"):
+        del data["entries"]["|".join(map(str, key))][name]
+    path.write_text(json.dumps(data))
+    assert TuningCache(path).get(key) is None
+
+
+@pytest.mark.parametrize("fmt", [_word.FMT_W4, _word.FMT_W8])
+def test_wdot_candidates_on_an_h100(monkeypatch, fmt):
+    """Both kernels are timed at every row count, a modest number of configs per key, full-depth row blocks
+    that match the bucket (swap-AB only up to 64 rows), and split-K only where the programs fill the GPU less than
+    four times over."""
+    monkeypatch.setattr(_word, "interpreting", lambda: False)
+    monkeypatch.setattr(_word, "_sm_count", lambda index: 132)
+    gpu = torch.device("cuda", 0)
+    for m in (1, 4, 16, 17, 64, 128, 256, 4096):
+        for n, k in ((8192, 8192), (28672, 8192), (8192, 28672)):
+            kw = k // _word.CPW[fmt]
+            cands = _word.wdot_candidates(fmt, m, n, kw, 128, gpu)
+            full = [c for c in cands if c.full_depth]
+            assert full and len(full) < len(cands) <= 24, (m, n, k, len(cands))
+            assert len(set(cands)) == len(cands)
+            mb = 1 << max(0, (m - 1).bit_length())
+            for c in full:
+                assert c.block_m <= max(16, mb) and c.block_w * _word.CPW[fmt] == 128 and c.order == 3
+                assert not c.swap or c.block_m <= 64
+                if c.split_k > 1:
+                    assert -(-m // c.block_m) * -(-n // c.block_n) < 4 * 132
+
+
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 999, "entries": {}}),
                                      json.dumps({"version": FORMAT_VERSION, "entries": {"|".join(map(str, KEY)):
                                                                                        {"block_n": 1, "bogus": 2}}})])

@@ -1,0 +1,137 @@
+"""The full-depth word GEMM: INT8 / INT4 weights read as int32 words, one ``tl.dot`` per ``K`` tile.
+
+Imported lazily, like ``_word_kernels`` (see [Note: lazy triton] in ``_runtime``); it shares that
+module's word layouts and [Note: magic-number conversion].
+
+[Note: full-depth wdot] ``wdot_kernel`` (``_word_kernels``) keeps a word's ``CPW`` fields apart as
+planes and runs one ``tl.dot`` of depth ``BLOCK_W`` per plane: 8 (INT4) or 4 (INT8) shallow dots
+per tile, each a separate pass over the accumulator, against a plane-major copy of ``x`` made by
+another launch. Here a tile's words ``(BN, BW)`` are expanded to all fields at once, ``(BN, BW,
+CPW)``, dequantized in registers (rounded to ``x``'s dtype exactly as the reference rounds the
+dense weight) and reshaped to one ``(BN, BK)`` operand, ``BK = CPW * BW``: one dot of full depth.
+The tile's column order is a free choice, as long as ``x`` is read in the same order (``ORDER``):
+
+- 0, natural: column ``c`` of the tile is field ``c % CPW`` of word ``c // CPW``, i.e. original
+  column ``col0 + c``; the ``x`` tile is a plain contiguous ``(BM, BK)`` block (vector loads), and
+  a thread that expands a word holds its fields side by side.
+- 1, planes: column ``c`` is field ``c // BW`` of word ``c % BW`` (the ``(BN, CPW, BW)`` expansion);
+  ``x`` column ``CPW * (t * BW + c % BW) + c // BW`` is gathered from the natural ``x`` (stride
+  ``CPW``, no vector loads).
+- 2, planes from the plane-major copy (``_word.plane_major``): contiguous runs of ``BW``, one extra
+  launch per call.
+- 3, natural, built by ``tl.interleave`` of the ``(BN, BW)`` fields instead of a 3-D broadcast and
+  ``tl.reshape`` (Triton keeps each interleaved pair in one thread; the reshape's layout is the
+  compiler's choice and took more layout conversions). On an H100 (Triton 3.6, 8192x8192, M = 16,
+  64, 256) order 3 was the fastest, so the tuner's candidates use it; 0-2 stay for tests and trials.
+
+[Note: swap-AB] Hopper's ``wgmma`` takes 64 rows per warp group on its M side and 8..256 on its N
+side. With a few rows of ``x`` on the M side (``acc[BM, BN] = x @ w^T``) a 16-row tile is padded
+to 64. ``SWAP`` computes the transpose instead, ``acc^T[BN, BM] = w @ x^T``: the weight rows fill
+the M side and the few rows of ``x`` sit on the N side; the accumulator is stored transposed. The
+tuner times both orientations.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._word_kernels import _as_float, _group_scale, _load_words, _mma_program, _mma_store
+
+
+@triton.jit
+def _field(w, j: tl.constexpr, s, z, BITS: tl.constexpr):
+    """Field ``j`` of every word, ``(code - z) * s`` in fp32 ([Note: magic-number conversion])."""
+    return (_as_float((w >> (BITS * j)) & ((1 << BITS) - 1)) - (8388608.0 + z)) * s
+
+
+@triton.jit
+def _dequant_tile(w, s_ptr, z_ptr, offs_n, nmask, col0, stride_sn, K, FMT: tl.constexpr, GROUP: tl.constexpr,
+                  HAS_ZEROS: tl.constexpr, CPW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                  ORDER: tl.constexpr):
+    """Words ``(BN, BW)`` → the dequantized fp32 tile ``(BN, CPW * BW)`` in the column order ``ORDER``
+    ([Note: full-depth wdot]); INT8 codes unscaled (the scale is applied to the accumulator)."""
+    BITS = 32 // CPW  # bits per field
+    j = tl.arange(0, CPW)
+    if FMT == 0:
+        w = w ^ -2139062144  # 0x80808080: every byte q + 128, see [Note: magic-number conversion]
+        s, z = 1.0, 128.0
+    else:
+        s, z = _group_scale(s_ptr, z_ptr, offs_n, nmask, col0, tl.arange(0, BLOCK_W), stride_sn, K, CPW, GROUP,
+                            BLOCK_W, HAS_ZEROS)  # each (BN, 1) if the tile lies in one group, else (BN, BW)
+    if ORDER == 3:  # natural order by interleaving (BN, BW) fields: out[:, CPW * w + j] = field j of word w
+        if CPW == 4:
+            return tl.interleave(tl.interleave(_field(w, 0, s, z, BITS), _field(w, 2, s, z, BITS)),
+                                 tl.interleave(_field(w, 1, s, z, BITS), _field(w, 3, s, z, BITS)))
+        else:
+            e = tl.interleave(tl.interleave(_field(w, 0, s, z, BITS), _field(w, 4, s, z, BITS)),
+                              tl.interleave(_field(w, 2, s, z, BITS), _field(w, 6, s, z, BITS)))
+            o = tl.interleave(tl.interleave(_field(w, 1, s, z, BITS), _field(w, 5, s, z, BITS)),
+                              tl.interleave(_field(w, 3, s, z, BITS), _field(w, 7, s, z, BITS)))
+            return tl.interleave(e, o)
+    if ORDER == 0:
+        f = (w[:, :, None] >> (BITS * j)[None, None, :]) & ((1 << BITS) - 1)  # (BN, BW, CPW)
+    else:
+        f = (w[:, None, :] >> (BITS * j)[None, :, None]) & ((1 << BITS) - 1)  # (BN, CPW, BW)
+    if FMT == 0:
+        q = _as_float(f) - (8388608.0 + 128.0)
+    elif ORDER == 0:
+        q = (_as_float(f) - (8388608.0 + z[:, :, None])) * s[:, :, None]
+    else:
+        q = (_as_float(f) - (8388608.0 + z[:, None, :])) * s[:, None, :]
+    return tl.reshape(q, (BLOCK_N, CPW * BLOCK_W))  # (BN, BK)
+
+
+@triton.jit
+def _x_tile(x_ptr, offs_m, mmask, t, K, KW, stride_xm, CPW: tl.constexpr, BLOCK_W: tl.constexpr,
+            EVEN_W: tl.constexpr, ORDER: tl.constexpr):
+    """The ``(BM, BK)`` tile of ``x`` whose columns match ``_dequant_tile``'s (``ORDER``)."""
+    c = tl.arange(0, CPW * BLOCK_W)
+    if ORDER == 0 or ORDER == 3:
+        col = t * BLOCK_W * CPW + c
+        inside = col < K
+    else:
+        word = t * BLOCK_W + c % BLOCK_W
+        inside = word < KW
+        if ORDER == 1:
+            col = CPW * word + c // BLOCK_W
+        else:  # plane-major copy: xp[m, j, w] = x[m, CPW * w + j]
+            col = (c // BLOCK_W) * KW + word
+    mask = mmask[:, None]
+    if not EVEN_W:
+        mask = mask & inside[None, :]
+    return tl.load(x_ptr + offs_m[:, None] * stride_xm + col[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _mma(a, b, acc, DOT_F32: tl.constexpr):
+    if DOT_F32:  # [Note: interpreter dot] in _gemm
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit(do_not_specialize=["M", "SPLIT_K"])
+def wmma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, KW, SPLIT_K,
+                stride_xm, stride_wn, stride_sn, stride_om,
+                FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, ATOMIC: tl.constexpr,
+                DOT_F32: tl.constexpr, CPW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_W: tl.constexpr, EVEN_W: tl.constexpr, ORDER: tl.constexpr, SWAP: tl.constexpr):
+    """INT8 / INT4 GEMM on tensor cores, one dot of depth ``CPW * BLOCK_W`` per tile of words
+    ([Note: full-depth wdot]), optionally transposed ([Note: swap-AB]). Grid ``(cdiv(M, BM), cdiv(N, BN),
+    SPLIT_K)``; with ``ATOMIC`` each of the ``SPLIT_K`` programs adds its tiles' sum in fp32."""
+    offs_m, offs_n, mmask, nmask, t_lo, t_hi = _mma_program(M, N, KW, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_W)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for t in range(t_lo, t_hi):
+        w = _load_words(w_ptr, offs_n, N, t, t_hi, KW, stride_wn, BLOCK_W, EVEN_W)  # (BN, BW) int32
+        x = _x_tile(x_ptr, offs_m, mmask, t, K, KW, stride_xm, CPW, BLOCK_W, EVEN_W, ORDER)  # (BM, BK)
+        wt = _dequant_tile(w, s_ptr, z_ptr, offs_n, nmask, t * BLOCK_W * CPW, stride_sn, K, FMT, GROUP, HAS_ZEROS,
+                           CPW, BLOCK_N, BLOCK_W, ORDER).to(x.dtype)  # (BN, BK)
+        if SWAP:
+            acc = _mma(wt, tl.trans(x), acc, DOT_F32)  # (BN, BM)
+        else:
+            acc = _mma(x, tl.trans(wt), acc, DOT_F32)  # (BM, BN)
+    if SWAP:
+        acc = tl.trans(acc)  # (once per program: a layout change in the epilogue)
+    _mma_store(acc, out_ptr, s_ptr, offs_m, offs_n, mmask, nmask, stride_om, FMT, ATOMIC)
