@@ -24,25 +24,6 @@ The tile's column order is a free choice, as long as ``x`` is read in the same o
   compiler's choice and took more layout conversions). On an H100 (Triton 3.6, 8192x8192, M = 16,
   64, 256) order 3 was the fastest, so the tuner's candidates use it; 0-2 stay for tests and trials.
 
-[Note: scales after the dot]
-Dequantizing in registers costs ~6 fp32 operations per INT4 code (the
-magic-number conversion, the zero point, the scale, the cast), and fp32 fields
-double the registers of the tile, so at 16-256 rows the kernel is bound by
-that work (and spills at 128+ rows), not by its bytes. Where a tile lies in one
-group, the scale and zero point are the same for the whole row of the tile,
-so they can wait until after the dot: ``sum_k x_k (q_k - z) s = s (sum_k x_k
-q_k - z sum_k x_k)``. The codes enter the dot as 16-bit floats made by bit
-tricks alone: ``0x4300 | q`` read as bf16 is exactly ``128 + q`` (bf16 has 7
-mantissa bits, so 128..255 are whole numbers; ``0x6400 | q`` is ``1024 + q`` in
-fp16), so a code costs a shift and one LOP3 and a 16-bit lane, and the tile
-is built from 16-bit halves. Per tile: ``part = x @ (B + q)^T`` in fp32 on the
-tensor cores, then ``acc += (part - (B + z) * rowsum(x)) * s``, one FMA per
-output element per tile instead of three operations per weight element. Not
-the reference's rounding (it rounds ``(q - z) * s`` to the input dtype before
-the product), but closer to the exact product: the tolerance of every test is
-the reference's own. INT4 only (``FACTOR``): INT8 codes need 8 mantissa bits,
-which bf16 does not have.
-
 [Note: swap-AB] Hopper's ``wgmma`` takes 64 rows per warp group on its M side and 8..256 on its N
 side. With a few rows of ``x`` on the M side (``acc[BM, BN] = x @ w^T``) a 16-row tile is padded
 to 64. ``SWAP`` computes the transpose instead, ``acc^T[BN, BM] = w @ x^T``: the weight rows fill
@@ -122,39 +103,6 @@ def _x_tile(x_ptr, offs_m, mmask, t, K, KW, stride_xm, CPW: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _code(w, j: tl.constexpr, DT: tl.constexpr):
-    """INT4 field ``j`` of every word as ``B + q`` in ``DT`` ([Note: scales after the dot]): bf16 ``B = 128``,
-    fp16 ``B = 1024`` (bit tricks only), fp32 ``B = 0``."""
-    q = (w >> (4 * j)) & 0xF
-    if DT == tl.bfloat16:
-        return (q | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    elif DT == tl.float16:
-        return (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-    else:
-        return q.to(tl.float32)
-
-
-@triton.jit
-def _code_tile(w, DT: tl.constexpr):
-    """Words ``(BN, BW)`` → ``(BN, 8 * BW)`` codes ``B + q`` in natural column order (an interleave tree)."""
-    e = tl.interleave(tl.interleave(_code(w, 0, DT), _code(w, 4, DT)),
-                      tl.interleave(_code(w, 2, DT), _code(w, 6, DT)))
-    o = tl.interleave(tl.interleave(_code(w, 1, DT), _code(w, 5, DT)),
-                      tl.interleave(_code(w, 3, DT), _code(w, 7, DT)))
-    return tl.interleave(e, o)
-
-
-@triton.jit
-def _code_bias(DT: tl.constexpr):
-    if DT == tl.bfloat16:
-        return 128.0
-    elif DT == tl.float16:
-        return 1024.0
-    else:
-        return 0.0
-
-
-@triton.jit
 def _mma(a, b, acc, DOT_F32: tl.constexpr):
     if DOT_F32:  # [Note: interpreter dot] in _gemm
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
@@ -166,12 +114,10 @@ def wmma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, KW, SPLIT_K,
                 stride_xm, stride_wn, stride_sn, stride_om,
                 FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, ATOMIC: tl.constexpr,
                 DOT_F32: tl.constexpr, CPW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_W: tl.constexpr, EVEN_W: tl.constexpr, ORDER: tl.constexpr, SWAP: tl.constexpr,
-                FACTOR: tl.constexpr = False):
+                BLOCK_W: tl.constexpr, EVEN_W: tl.constexpr, ORDER: tl.constexpr, SWAP: tl.constexpr):
     """INT8 / INT4 GEMM on tensor cores, one dot of depth ``CPW * BLOCK_W`` per tile of words
-    ([Note: full-depth wdot]), optionally transposed ([Note: swap-AB]); ``FACTOR`` (INT4, tiles inside one group,
-    natural order): codes into the dot, scales after it ([Note: scales after the dot]). Grid ``(cdiv(M, BM),
-    cdiv(N, BN), SPLIT_K)``; with ``ATOMIC`` each of the ``SPLIT_K`` programs adds its tiles' sum in fp32."""
+    ([Note: full-depth wdot]), optionally transposed ([Note: swap-AB]). Grid ``(cdiv(M, BM), cdiv(N, BN),
+    SPLIT_K)``; with ``ATOMIC`` each of the ``SPLIT_K`` programs adds its tiles' sum in fp32."""
     offs_m, offs_n, mmask, nmask, t_lo, t_hi = _mma_program(M, N, KW, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_W)
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
@@ -180,28 +126,12 @@ def wmma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, KW, SPLIT_K,
     for t in range(t_lo, t_hi):
         w = _load_words(w_ptr, offs_n, N, t, t_hi, KW, stride_wn, BLOCK_W, EVEN_W)  # (BN, BW) int32
         x = _x_tile(x_ptr, offs_m, mmask, t, K, KW, stride_xm, CPW, BLOCK_W, EVEN_W, ORDER)  # (BM, BK)
-        if FACTOR:
-            codes = _code_tile(w, x.dtype)  # (BN, BK): B + q
-            g = t * BLOCK_W * CPW // GROUP
-            sc = tl.load(s_ptr + offs_n * stride_sn + g, mask=nmask, other=0.0).to(tl.float32)
-            if HAS_ZEROS:
-                zb = tl.load(z_ptr + offs_n * stride_sn + g, mask=nmask, other=0).to(tl.float32) + _code_bias(x.dtype)
-            else:
-                zb = tl.full((BLOCK_N,), 8.0, tl.float32) + _code_bias(x.dtype)
-            xs = tl.sum(x.to(tl.float32), axis=1)  # (BM,)
-            if SWAP:
-                part = _mma(codes, tl.trans(x), tl.zeros((BLOCK_N, BLOCK_M), tl.float32), DOT_F32)
-                acc += (part - zb[:, None] * xs[None, :]) * sc[:, None]
-            else:
-                part = _mma(x, tl.trans(codes), tl.zeros((BLOCK_M, BLOCK_N), tl.float32), DOT_F32)
-                acc += (part - xs[:, None] * zb[None, :]) * sc[None, :]
+        wt = _dequant_tile(w, s_ptr, z_ptr, offs_n, nmask, t * BLOCK_W * CPW, stride_sn, K, FMT, GROUP, HAS_ZEROS,
+                           CPW, BLOCK_N, BLOCK_W, ORDER).to(x.dtype)  # (BN, BK)
+        if SWAP:
+            acc = _mma(wt, tl.trans(x), acc, DOT_F32)  # (BN, BM)
         else:
-            wt = _dequant_tile(w, s_ptr, z_ptr, offs_n, nmask, t * BLOCK_W * CPW, stride_sn, K, FMT, GROUP,
-                               HAS_ZEROS, CPW, BLOCK_N, BLOCK_W, ORDER).to(x.dtype)  # (BN, BK)
-            if SWAP:
-                acc = _mma(wt, tl.trans(x), acc, DOT_F32)  # (BN, BM)
-            else:
-                acc = _mma(x, tl.trans(wt), acc, DOT_F32)  # (BM, BN)
+            acc = _mma(x, tl.trans(wt), acc, DOT_F32)  # (BM, BN)
     if SWAP:
         acc = tl.trans(acc)  # (once per program: a layout change in the epilogue)
     _mma_store(acc, out_ptr, s_ptr, offs_m, offs_n, mmask, nmask, stride_om, FMT, ATOMIC)

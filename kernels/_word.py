@@ -65,8 +65,6 @@ class WordConfig:
     full_depth: bool = False  # wdot: one dot per tile ([Note: full-depth wdot] in _wmma_kernels), not per plane
     order: int = 0  # full_depth: the tile's column order ([Note: full-depth wdot]), 0 or 3 natural, 1 or 2 planes
     swap: bool = False  # full_depth: acc^T = w @ x^T, weight rows on the MMA's M side ([Note: swap-AB])
-    factor: bool = False  # full_depth, INT4 tiles inside one group, order 3: codes into the dot, scales after it
-    # ([Note: scales after the dot] in _wmma_kernels)
 
 
 @functools.cache
@@ -231,9 +229,8 @@ def full_depth_candidates(fmt: int, m: int, n: int, kw: int, group: int, device:
     bw = _full_block_w(fmt, group)
     if bw is None:
         return []
-    factors = (True, False) if fmt == FMT_W4 and group % (bw * CPW[fmt]) == 0 else (False,)
     if interpreting() or device.type != "cuda":
-        return [WordConfig(16, 32, bw, 1, 1, full_depth=True, order=3, factor=f) for f in factors]
+        return [WordConfig(16, 32, bw, 1, 1, full_depth=True, order=3)]
     sms = _sm_count(device.index or 0)
     mb = m_bucket(m)
     out = []
@@ -241,8 +238,7 @@ def full_depth_candidates(fmt: int, m: int, n: int, kw: int, group: int, device:
         if bm > max(16, mb) or bm < (max(16, mb) if mb <= 64 else 128):
             continue
         for sp in _splits(cdiv(m, bm) * cdiv(n, bn), cdiv(kw, bw), sms, (1, 4)):
-            out += [WordConfig(bm, bn, bw, sp, warps, stages, full_depth=True, order=3, swap=swap, factor=f)
-                    for f in factors]
+            out.append(WordConfig(bm, bn, bw, sp, warps, stages, full_depth=True, order=3, swap=swap))
     return out
 
 
@@ -404,7 +400,7 @@ def run_wdot(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
         xs = x if c.full_depth and c.order != 2 else plane_major(x, CPW[fmt])
         out = _out(m, n, x, c.split_k)
         kernel = _wmma_kernels().wmma_kernel if c.full_depth else _kernels().wdot_kernel
-        extra = dict(ORDER=c.order, SWAP=c.swap, FACTOR=c.factor) if c.full_depth else {}
+        extra = dict(ORDER=c.order, SWAP=c.swap) if c.full_depth else {}
         kernel[(cdiv(m, c.block_m), cdiv(n, c.block_n), c.split_k)](
             xs, words, s, zz, out, m, n, k, kw, c.split_k,
             xs.stride(0), words.stride(0), s.stride(0) if s.dim() > 1 else 1, out.stride(0),

@@ -286,30 +286,6 @@ def test_full_depth_wdot_matches_reference(monkeypatch, fmt, m, n, k, group, sym
 
 
 @needs_interp
-@pytest.mark.parametrize("m,n,k,group,sym,dtype,bw", [
-    (17, 40, 320, 128, False, torch.bfloat16, 16), (5, 72, 512, 128, True, torch.float32, 16),
-    (5, 40, 384, 128, False, torch.float16, 8), (17, 24, 256, 64, True, torch.bfloat16, 8),
-    (3, 40, 64, 32, False, torch.bfloat16, 4)])
-def test_factored_wdot_matches_reference(monkeypatch, m, n, k, group, sym, dtype, bw):
-    """[Note: scales after the dot]: INT4 codes enter the dot as B + q (bf16 128 + q, fp16 1024 + q, fp32 q) and
-    each tile's sum is scaled after it, with the zero point through the row sums of x; tiles of one group or of
-    part of one (g128 with 64-column tiles), both orientations, one K slice or three, partial tiles of K (k=320,
-    384 over 128 or 64 columns), zero points and symmetric codes. Random data: a wrong bias, zero point, scale
-    group or field order is far off. The default INT4 candidates put the factored kernel first wherever a tile
-    lies in one group (the interpreter runs the first); smaller tiles are factored where the tuner is told to."""
-    from zspeed.kernels import _word
-
-    x, words, s, z, f, ref = _word_case("w4", m, n, k, group, sym, dtype, seed=14)
-    for swap in (False, True):
-        for split in (1, 3):
-            cfg = _word.WordConfig(16, 32, bw, split, 1, full_depth=True, order=3, swap=swap, factor=True)
-            _close(_run_wdot_with(monkeypatch, cfg, x, words, s, z, f, group, n), ref, dtype)
-    cands = _word.full_depth_candidates(f, m, n, words.shape[1], group, x.device)  # (wdot_candidates is patched)
-    # 128-column tiles: inside one group at g128 (factored first), across groups at g64 / g32 (not factored)
-    assert [c.factor for c in cands] == ([True, False] if group % 128 == 0 else [False]), cands
-
-
-@needs_interp
 @pytest.mark.parametrize("fmt,m,n,k,group,sym,dtype", [
     ("w4", 5, 40, 320, 128, False, torch.bfloat16), ("w4", 17, 24, 384, 192, False, torch.float32),
     ("w8", 5, 40, 320, 0, True, torch.float16)])
