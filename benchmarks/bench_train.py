@@ -66,14 +66,41 @@ def ds_config(args, stage: int, offload: bool, *, delayed_update: int | None = N
 
 
 def engine_step(engine):
-    """One training step through a DeepSpeed-style engine (zspeed's or DeepSpeed's): step(ids) -> loss."""
+    """One training step through a DeepSpeed-style engine (zspeed's or DeepSpeed's): step(ids) -> loss. Each call
+    appends to ``step.marks`` the host times and current-stream events at its four boundaries (forward, backward,
+    step), which :func:`phase_ms` turns into per-phase medians."""
+    import torch
+
     def step(ids):
+        marks = []
+
+        def mark():
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            marks.append((time.perf_counter(), event))
+        mark()
         loss = engine(input_ids=ids, labels=ids).loss
+        mark()
         engine.backward(loss)
+        mark()
         engine.step()
+        mark()
+        step.marks.append(marks)
         return loss
-    step.engine = engine
+    step.engine, step.marks = engine, []
     return step
+
+
+def phase_ms(marks: list, steps: int) -> dict:
+    """Medians over the last ``steps`` steps of each phase's host time (how long the call took) and GPU time
+    (between events on the current stream; a forward that waits for an overlapped update counts the wait)."""
+    import statistics
+    out = {}
+    for i, name in enumerate(("forward", "backward", "step")):
+        host = [(m[i + 1][0] - m[i][0]) * 1e3 for m in marks[-steps:]]
+        gpu = [m[i][1].elapsed_time(m[i + 1][1]) for m in marks[-steps:]]
+        out[name] = {"host": round(statistics.median(host), 1), "gpu": round(statistics.median(gpu), 1)}
+    return out
 
 
 def build(system: str, args, model, device):
@@ -169,6 +196,8 @@ def run_one(args) -> None:
     row = dict(system=args.system, gpus=world, tokens_per_s_per_gpu=tokens, step_s=dt, peak_gib=peak.item(),
                mfu=tokens * flops_per_token / (PEAK_TFLOPS * 1e12), params=n_params,
                first_loss=float(losses[0]), last_loss=float(losses[-1]), losses=[round(float(x), 5) for x in losses])
+    if getattr(step, "marks", None):
+        row["phase_ms"] = phase_ms(step.marks, args.steps)
     offload = getattr(getattr(step, "engine", None), "offload", None)
     times = getattr(offload, "update_times", None)
     if times:  # zspeed offload: where each step's update went (medians over the timed steps)
