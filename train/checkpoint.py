@@ -182,6 +182,8 @@ def load_checkpoint(engine, load_dir: str | os.PathLike, *, tag: str | None = No
     with_optimizer = load_optimizer_states and not load_module_only
     with _Pieces(folder, meta) as pieces:
         for _, g in named_groups(engine):
+            if g.trainable:  # a checkpoint is taken between steps: no gradient of a backward before the load counts
+                g.zero_grads()
             _load_group(engine, g, pieces, with_optimizer)
         _restore_rng(engine, pieces, meta)
     if engine.param_offload is not None:

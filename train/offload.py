@@ -715,6 +715,8 @@ class OptimizerOffload:
         from .checkpoint_state import set_local_arrays
 
         self.drain()
+        if self.streamed is not None:  # state a backward uploaded ahead of its step is the state loaded over
+            self.streamed.drop_prefetched()
         h = self.hosts[id(g)]
         if self.store is None:
             set_local_arrays(g, self._optimizer, arrays, scalars)
