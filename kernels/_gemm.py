@@ -115,7 +115,8 @@ def launch(name: str, fmt: int, x: torch.Tensor, w: torch.Tensor, s: torch.Tenso
         from .semi import semi_supported
 
         semi = fmt == FMT_S24 and semi_supported(x, w)
-        path = kernel_policy().path(name, x.shape[0], words=view is not None, semi=semi)
+        words = view is not None and _word.words_fit_groups(fmt, group)
+        path = kernel_policy().path(name, x.shape[0], words=words, semi=semi, wdot=_word.wdot_fits(fmt, group))
     if path not in PATHS and path not in WORD_PATHS and path != "semi":
         raise ValueError(f"{name}: unknown path {path!r}; use one of {sorted([*PATHS, *WORD_PATHS, 'semi'])}")
     if x.shape[0] == 0:

@@ -40,7 +40,7 @@ def _group_dequant(codes, s_ptr, z_ptr, offs_n, c0, N, C, stride_sn, GROUP_C: tl
     ``GROUP_C``. Columns past ``C`` read no scale (a scale read past the row could be anything, NaN
     included, and NaN times a zero code is still NaN)."""
     nmask = offs_n < N
-    if BLOCK_C <= GROUP_C:  # the whole tile lies in one group: one scale per row
+    if GROUP_C % BLOCK_C == 0:  # the whole tile lies in one group (tiles start at multiples of BLOCK_C)
         g = c0 // GROUP_C
         s = tl.load(s_ptr + offs_n * stride_sn + g, mask=nmask, other=0.0).to(tl.float32)[:, None]
         if HAS_ZEROS:

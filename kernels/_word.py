@@ -129,6 +129,27 @@ def _group_ok(fmt: int, block_w: int, group: int, kw: int) -> bool:
     return group % cols == 0 if cols <= group else cols % group == 0
 
 
+def words_fit_groups(fmt: int, group: int) -> bool:
+    """Whether the word kernels can read this group size: an INT4 word (2:4 + INT4: its 16 original columns)
+    must not straddle two groups, i.e. the group is a whole number of words. Others have no groups."""
+    return fmt not in (FMT_W4, FMT_S24W4) or (group > 0 and group % CPW[fmt] == 0)
+
+
+def wdot_fits(fmt: int, group: int) -> bool:
+    """Whether ``wdot`` has a tile for this format and group size (what :func:`wdot_candidates` offers)."""
+    if fmt == FMT_W8:
+        return True
+    return fmt == FMT_W4 and words_fit_groups(fmt, group) and (
+        _full_block_w(fmt, group) is not None or _group_ok(fmt, 16, group, 0))
+
+
+def _check_groups(path: str, fmt: int, group: int) -> None:
+    if not words_fit_groups(fmt, group):
+        raise ValueError(f"the {path} path reads whole int32 words of {CPW[fmt]} columns, and groups of {group} "
+                         f"columns split a word; quantize with a group size that is a multiple of {CPW[fmt]}, or "
+                         "use path='splitk', 'tiled' or 'dense'")
+
+
 def _small_block_w(fmt: int, group: int, kw: int) -> int:
     """The widest of 4, 2, 1 words whose tiles fit the groups (1 always does for groups of >= 16 columns)."""
     return next((bw for bw in (4, 2) if _group_ok(fmt, bw, group, kw)), 1)
@@ -361,6 +382,7 @@ def run_stationary(x, words, s, z, c: WordConfig, *, fmt: int, group: int, n: in
 
 
 def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> torch.Tensor:
+    _check_groups("gemv", fmt, group)
     m, kw = x.shape[0], words.shape[1]
     zz = z if z is not None else s
     mm = meta if meta is not None else words
@@ -391,10 +413,13 @@ def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
 def run_wdot(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> torch.Tensor:
     if fmt not in (FMT_W8, FMT_W4):
         raise ValueError(f"the wdot path has no kernel for format {fmt}; use gemv, tiled or dense")
-    if fmt == FMT_W4 and group % CPW[fmt]:
-        raise ValueError(f"the wdot path needs INT4 groups of a multiple of 8 columns, got {group}; use tiled")
+    _check_groups("wdot", fmt, group)
     m, kw = x.shape[0], words.shape[1]
     zz = z if z is not None else s
+    candidates = wdot_candidates(fmt, m, n, kw, group, x.device)
+    if not candidates:
+        raise ValueError(f"the wdot path has no tile for groups of {group} columns (its tiles of 16 to 128 columns "
+                         "must lie in one group or span whole groups); use path='splitk', 'tiled' or 'dense'")
 
     def launch(c: WordConfig) -> torch.Tensor:  # the plane-major copy, where read, is timed with the kernel
         xs = x if c.full_depth and c.order != 2 else plane_major(x, CPW[fmt])
@@ -411,4 +436,4 @@ def run_wdot(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
         return out if c.split_k == 1 else out.to(x.dtype)
 
     key = ("wdot", fmt, group, z is not None, m_bucket(m), n, k, x.dtype)
-    return launch(_pick(key, wdot_candidates(fmt, m, n, kw, group, x.device), launch))
+    return launch(_pick(key, candidates, launch))

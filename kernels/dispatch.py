@@ -46,9 +46,10 @@ class KernelPolicy:
             raise ValueError(f"KernelPolicy thresholds must be counts >= 0, got gemv_max_m={self.gemv_max_m}, "
                              f"splitk_max_m={self.splitk_max_m}")
 
-    def path(self, fmt: str, m: int, *, words: bool = True, semi: bool = False) -> str:
-        """The path for ``m`` rows; ``words``: whether the weight can be read word-wise (``_word.word_view``);
-        ``semi``: whether plain 2:4 can run on sparse tensor cores (``semi.semi_supported``)."""
+    def path(self, fmt: str, m: int, *, words: bool = True, semi: bool = False, wdot: bool = True) -> str:
+        """The path for ``m`` rows; ``words``: whether the weight can be read word-wise (``_word.word_view``,
+        ``_word.words_fit_groups``); ``semi``: whether plain 2:4 can run on sparse tensor cores
+        (``semi.semi_supported``); ``wdot``: whether the tensor-core word kernel has a tile for the groups."""
         forced = self.force or os.environ.get("ZSPEED_KERNEL_PATH") or None
         if forced:
             if forced not in PATH_NAMES:
@@ -60,7 +61,7 @@ class KernelPolicy:
             return "semi"
         if m >= dict(self.dense_min_m).get(fmt, 1024):
             return "dense"
-        if words and fmt in WDOT_FORMATS:
+        if words and wdot and fmt in WDOT_FORMATS:
             return "wdot"
         return "splitk" if m <= self.splitk_max_m else "tiled"
 

@@ -304,11 +304,32 @@ def test_wdot_kernels_both_run_from_the_candidates(monkeypatch, fmt, m, n, k, gr
 
 
 @needs_interp
-def test_wdot_refuses_groups_that_split_a_word():
-    x, w = _inputs(3, 16, 64, torch.float32)
-    q = quantize_int4(w, group_size=4)
-    with pytest.raises(ValueError, match="multiple of 8 columns"):
-        w4a16_matmul(x, q.qweight, q.scales, q.zeros, 4, path="wdot")
+def test_group_sizes_off_the_standard_grid():
+    """Groups of 4, 12, 40 and 80 columns (INT4; 2:4 + INT4: 24, 40, 80 original columns), which no tile size
+    divides or which split a word: the default policy gives the reference at 1, 3 and 16 rows (word kernels
+    where the groups are whole words and a tile fits, the generic paths elsewhere), and so does every generic
+    path (a tile narrower than a group but not dividing it spans two groups); the word paths, asked for by
+    name, refuse groups they cannot read and name the fix."""
+    for g in (4, 12, 40, 80):
+        x, w = _inputs(16, 16, 240, torch.float32, seed=g)
+        q = quantize_int4(w, group_size=g)
+        for m, path in ((1, None), (3, None), (16, None), (3, "splitk"), (3, "tiled"), (3, "dense")):
+            ref = w4a16_ref(x[:m], q.qweight, q.scales, q.zeros, g)
+            _close(w4a16_matmul(x[:m], q.qweight, q.scales, q.zeros, g, path=path), ref, torch.float32)
+    for g in (24, 40, 80):
+        x, w = _inputs(3, 16, 240, torch.float32, seed=g)
+        sp = compress_nm(prune_nm(w, w.abs(), n=2, m=4))
+        q = quantize_int4(sp.values, group_size=g // 2)  # groups over kept values
+        for m, path in ((1, None), (3, None), (3, "splitk"), (3, "tiled")):
+            ref = sparse24_w4a16_ref(x[:m], q.qweight, sp.meta, q.scales, q.zeros, g)
+            _close(sparse24_w4a16_matmul(x[:m], q.qweight, sp.meta, q.scales, q.zeros, g, path=path), ref,
+                   torch.float32)
+    x, w = _inputs(3, 16, 240, torch.float32)
+    for g, path, match in ((4, "wdot", "groups of 4 columns split a word"), (12, "gemv", "multiple of 8"),
+                           (40, "wdot", "no tile for groups of 40 columns")):
+        q = quantize_int4(w, group_size=g)
+        with pytest.raises(ValueError, match=match):
+            w4a16_matmul(x, q.qweight, q.scales, q.zeros, g, path=path)
 
 
 def _run_in_subprocess():
