@@ -46,7 +46,7 @@ set (the benchmark's peak memory checks it). :meth:`StreamedAdam.update` then
 computes on a prefetched chunk without uploading it, and its buffers go back
 to the allocator once the chunk's download has run. The uploads wait for the
 last step's downloads (the host arrays are whole again); a skipped step (fp16
-overflow) drops them.
+overflow) drops them, and so does loading a checkpoint over them.
 
 Only ``prefetch_depth`` chunks are on their way at once (the next ones are
 queued by later gradients' hooks, as earlier uploads complete), so prefetching
@@ -184,7 +184,7 @@ class StreamedAdam:
         return key in self._whole
 
     def drop_prefetched(self) -> None:
-        """Forget every prefetched chunk (a skipped step: no update will use them)."""
+        """Forget every prefetched chunk (a skipped step, or a checkpoint loaded over the state they hold)."""
         for slot in self._prefetched.values():
             for t in slot.arrays:
                 self.device.record_stream(t, self.h2d)
