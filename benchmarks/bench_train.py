@@ -79,11 +79,14 @@ def engine_step(engine):
             event.record()
             marks.append((time.perf_counter(), event))
         mark()
-        loss = engine(input_ids=ids, labels=ids).loss
+        with torch.profiler.record_function("bench.forward"):
+            loss = engine(input_ids=ids, labels=ids).loss
         mark()
-        engine.backward(loss)
+        with torch.profiler.record_function("bench.backward"):
+            engine.backward(loss)
         mark()
-        engine.step()
+        with torch.profiler.record_function("bench.step"):
+            engine.step()
         mark()
         step.marks.append(marks)
         return loss
@@ -106,7 +109,7 @@ def phase_ms(marks: list, steps: int) -> dict:
 def build(system: str, args, model, device):
     """Return step(batch) -> loss for ``system``."""
     import torch
-    system, _, variant = system.partition("@")
+    system, *variants = system.split("@")
     stage = int(system.split("-z")[1][0]) if "-z" in system else 0
     offload = "-offload" in system
     if system.startswith("zspeed"):
@@ -119,15 +122,20 @@ def build(system: str, args, model, device):
             cfg["zero_optimization"]["offload_optimizer"]["device_share"] = args.device_share
         if system.endswith("fwd"):
             cfg["zero_optimization"]["offload_optimizer"]["overlap_forward"] = True
-        if variant.startswith("pf"):  # @pfN: offload_optimizer.prefetch_depth = N
-            cfg["zero_optimization"]["offload_optimizer"]["prefetch_depth"] = int(variant[2:])
+        for variant in variants:
+            if variant.startswith("pf"):  # @pfN: offload_optimizer.prefetch_depth = N
+                cfg["zero_optimization"]["offload_optimizer"]["prefetch_depth"] = int(variant[2:])
+            if variant.startswith("r"):  # @rF: offload_optimizer.ratio = F (the first 1 - F keep state on the GPU)
+                cfg["zero_optimization"]["offload_optimizer"]["ratio"] = float(variant[1:])
         engine, *_ = zspeed.initialize(model=model, config=cfg)
 
         return engine_step(engine)
     if system.startswith("deepspeed"):
         import deepspeed
-        engine, *_ = deepspeed.initialize(model=model, config=ds_config(args, stage, offload),
-                                          model_parameters=model.parameters())
+        cfg = ds_config(args, stage, offload)
+        for variant in variants:  # @rF: DeepSpeed's own Twin-Flow (offload_optimizer.ratio, ZeRO-3)
+            cfg["zero_optimization"]["offload_optimizer"]["ratio"] = float(variant[1:])
+        engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
 
         return engine_step(engine)
     model = model.to(device)
@@ -179,6 +187,7 @@ def run_one(args) -> None:
                for _ in range(args.warmup + args.steps)]
     torch.cuda.reset_peak_memory_stats(device)  # (memory history, if asked, slows the steps: timings not comparable)
     losses = []
+    prof = _profiler(torch, args.profile, len(batches) - 2) if args.profile and rank == 0 else None
     for i, ids in enumerate(batches):
         if i == args.warmup:
             torch.cuda.synchronize(device)
@@ -186,8 +195,16 @@ def run_one(args) -> None:
                 dist.barrier()
             t0 = time.perf_counter()
         losses.append(step(ids).item() if i in (0, len(batches) - 1) else step(ids))
+        if prof is not None:
+            prof.step()
     torch.cuda.synchronize(device)
     dt = (time.perf_counter() - t0) / args.steps
+    if prof is not None:
+        prof.stop()
+        out = Path(args.profile) / f"{args.system.replace('@', '_')}-rank0.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(out))
+        subprocess.run(["gzip", "-f", str(out)], check=True)
     peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2 ** 30], device=device)
     if dist.is_initialized():
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -209,16 +226,29 @@ def run_one(args) -> None:
     if streamed is not None:  # -dev: elements whose state went up during backward, per step on average
         row["prefetched_per_step"] = streamed.prefetched_elements // max(1, len(losses))
         row["streamed_per_step"] = streamed.elements // max(1, len(losses))
+        row["resident_elements"] = streamed.resident_elements  # @rF: elements whose state stays on the GPU
     if getattr(offload, "speculative", False):  # zspeed -spec: how often the clip let the speculation stand
         row["speculation"] = dict(offload.speculation)
     if args.memory_report:
         row["memory_report"] = memory_report(torch, device, Path(args.memory_report) / f"{args.system}-rank{rank}")
         row["timing_note"] = "memory history recorded: tokens/s not comparable"
+    if args.profile:
+        row["timing_note"] = "profiled: tokens/s not comparable"
     if rank == 0:
         print("RESULT " + json.dumps(row), flush=True)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _profiler(torch, folder: str, first: int):
+    """A torch profiler (host and CUDA activity) recording steps ``first`` on, i.e. the last two; its chrome trace
+    goes to ``folder``/<system>-rank0.json.gz (rank 0 only). Profiling slows the steps: tokens/s not comparable."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                   schedule=schedule(wait=first - 1, warmup=1, active=2, repeat=1), with_stack=True)
+    prof.start()
+    return prof
 
 
 def memory_report(torch, device, stem: Path, top: int = 12) -> dict:
@@ -315,8 +345,10 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=300)
     ap.add_argument("--memory-report", metavar="DIR", help="record every CUDA allocation and report (DIR/<system>-"
                     "rank<r>.json) the largest blocks alive at the peak; slows the steps")
+    ap.add_argument("--profile", metavar="DIR", help="torch-profile the last two steps on rank 0 and write the chrome "
+                    "trace to DIR/<system>-rank0.json.gz; slows the steps")
     ap.add_argument("--system", type=_system, help="one of SYSTEMS; -dev systems may end in @pfN (offload_optimizer."
-                    "prefetch_depth = N), e.g. zspeed-z2-offload-devfwd@pf0")
+                    "prefetch_depth = N) and @rF (offload_optimizer.ratio = F), e.g. zspeed-z3-offload-devfwd@r0.6")
     ap.add_argument("--host-threads", type=int, default=0,
                     help="zspeed offload systems: offload_optimizer.host_threads (0 = zspeed's auto)")
     ap.add_argument("--device-share", type=float, default=0.75,
@@ -340,11 +372,20 @@ def main() -> None:
 
 
 def _system(name: str) -> str:
-    base, _, variant = name.partition("@")
-    if base not in SYSTEMS or (variant and not (base.endswith(("-dev", "-devfwd")) and variant[:2] == "pf"
-                                                and variant[2:].isdigit())):
-        raise argparse.ArgumentTypeError(f"unknown system {name!r}: use one of {SYSTEMS}, a -dev system may end "
-                                         "in @pfN")
+    base, *variants = name.split("@")
+
+    def known(v: str) -> bool:
+        if v[:2] == "pf":
+            return v[2:].isdigit()
+        try:
+            return v[:1] == "r" and 0.0 <= float(v[1:]) <= 1.0
+        except ValueError:
+            return False
+    twin_flow = base == "deepspeed-z3-offload" and all(v[:1] == "r" for v in variants)
+    if base not in SYSTEMS or (variants and not ((base.endswith(("-dev", "-devfwd")) or twin_flow)
+                                                 and all(map(known, variants)))):
+        raise argparse.ArgumentTypeError(f"unknown system {name!r}: use one of {SYSTEMS}; a -dev system may end "
+                                         "in @pfN (prefetch depth) and/or @rF (offload_optimizer.ratio), deepspeed-z3-offload in @rF")
     return name
 
 

@@ -197,6 +197,77 @@ def test_streamed_device_update_is_bit_exact(tmp_path):
     assert errors == [[], []], "\n".join(errors[0] + errors[1])
 
 
+RESIDENT_CASES = [(1, "bf16", 1.0, 0.75, 0.75), (2, "fp16", 0.0, 0.5, 0.75), (3, "bf16", 1.0, 0.0, 0.5)]
+
+
+def _resident_grid(topo, root: str) -> list[str]:
+    """[Note: resident state (Twin-Flow)]: with ``ratio`` < 1 the first groups keep their state on the "device"
+    (on the CPU: arrays of their own), updated there with nothing written back until something reads the host
+    state; training is bit for bit that of every update on the worker, the host arrays catch up when a checkpoint
+    or the masters are read, and checkpoints cross between resident and offloaded engines both ways (a load
+    replaces the resident copies: the losses after it are those of a fresh engine loaded from the same files)."""
+    errors = []
+    for stage, precision, clip, share, ratio in RESIDENT_CASES:
+        label = f"stage {stage} {precision} clip {clip}, device_share {share}, ratio {ratio}"
+
+        def engine(keys: dict, tag: str) -> ZeroEngine:
+            opt = offload_config("optimizer", "cpu", f"{root}/{stage}{tag}")
+            opt["offload_optimizer"].update(keys)
+            e = build(topo, stage, precision, opt, clip=clip)
+            e.offload.prefetch_budget = lambda: 1 << 40
+            return e
+        exact, twin = engine({}, "exact"), engine({"device_share": share, "ratio": ratio}, "twin")
+        hosts = twin.offload.order
+        resident = [h for h in hosts if h.resident]
+        numel = sum(h.group.numel for h in hosts)
+        kept = sum(h.group.numel for h in resident)
+        if not resident or not all(h.on_device for h in resident) or abs(kept / numel - (1 - ratio)) > 0.3:
+            errors.append(f"{label}: {len(resident)} of {len(hosts)} groups resident, {kept / numel:.2f} of the "
+                          "elements")
+        if share > 1 - ratio and not any(h.on_device and not h.resident for h in hosts):
+            errors.append(f"{label}: no group streamed beside the resident ones")
+        if max(share, 1 - ratio) < 1 and all(h.on_device for h in hosts):
+            errors.append(f"{label}: no group left to the CPU")
+        want = run(exact, topo, STEPS)
+        got = run(twin, topo, STEPS)
+        errors += _same(got, want, label)
+        streamer = twin.offload.streamed
+        if streamer.resident_elements != sum(h.group.hi - h.group.lo for h in resident):
+            errors.append(f"{label}: {streamer.resident_elements} elements resident")
+        if any(streamer.prefetched_whole(h.key) for h in resident):
+            errors.append(f"{label}: a resident group was prefetched")
+        # After a step the host master of a resident group is behind its device copy until something reads it
+        # (run() itself ends by reading the masters).
+        for k in range(twin.config.gradient_accumulation_steps):
+            twin.backward(loss_of("llama", twin, micro_batch("llama", twin.global_steps, k * topo.world_size + topo.rank)))
+            twin.step()
+        h = resident[0]
+        device_master = torch.cat([streamer._resident[h.key, lo][0] for lo in range(0, h.group.hi - h.group.lo,
+                                                                                     streamer.chunk)])
+        if torch.equal(h.group.master, device_master):
+            errors.append(f"{label}: the host master was written back after the step (nothing read it)")
+        if not torch.equal(twin.offload.master_values(h.group), device_master):
+            errors.append(f"{label}: master_values did not bring the host master up to date")
+        run(exact, topo, 1)
+        twin.save_checkpoint(f"{root}/ck-twin{stage}")
+        exact.save_checkpoint(f"{root}/ck-exact{stage}")
+        after = run(exact, topo, 2)
+        for keys, ck, name in (({}, "twin", "resident -> offloaded"),
+                               ({"device_share": share, "ratio": ratio}, "exact", "offloaded -> resident")):
+            r = engine(keys, f"r{ck}")
+            r.load_checkpoint(f"{root}/ck-{ck}{stage}")
+            errors += _same(run(r, topo, 2), after, f"{label}: {name}")
+        run(twin, topo, 1)  # resident state newer than the checkpoint, loaded over
+        twin.load_checkpoint(f"{root}/ck-exact{stage}")
+        errors += _same(run(twin, topo, 2), after, f"{label}: loaded over resident state")
+    return errors
+
+
+def test_resident_state_is_bit_exact_and_checkpoints(tmp_path):
+    errors = run_distributed(_resident_grid, WORLD, str(tmp_path))
+    assert errors == [[], []], "\n".join(errors[0] + errors[1])
+
+
 def test_prefetch_keeps_at_most_depth_chunks_in_flight():
     """[Note: prefetching the state during backward]: ``prefetch_depth`` uploads at a time; the next chunks go
     once earlier ones complete (events are faked: on the CPU every event is complete at once)."""
@@ -315,16 +386,20 @@ def test_device_share_config_key():
     for extra, match in (({"device": "cpu", "device_share": 1.5}, "a fraction of the parameters, 0 to 1"),
                          ({"device": "nvme", "nvme_path": "/tmp/x", "device_share": 0.5}, "Offload to 'cpu'"),
                          ({"device": "cpu", "device_share": 0.5, "delayed_update": 2}, "set one of them"),
-                         ({"device": "cpu", "prefetch_depth": -1}, "prefetch_depth must be an integer >= 0")):
+                         ({"device": "cpu", "prefetch_depth": -1}, "prefetch_depth must be an integer >= 0"),
+                         ({"device": "cpu", "ratio": 1.5}, "fraction of the optimizer state offloaded, 0 to 1"),
+                         ({"device": "nvme", "nvme_path": "/tmp/x", "ratio": 0.5}, "Offload to 'cpu' or set ratio"),
+                         ({"device": "cpu", "ratio": 0.5, "delayed_update": 2}, "set one of them")):
         cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2, "offload_optimizer": extra}}
         with pytest.raises(ConfigError, match=match):
             load_config(cfg, world_size=1)
     from zspeed.core.topology import Topology
     cfg = Case(kind="llama", stage=2).ds_config(1)
     cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
-    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "device_share": 0.5}
-    with pytest.raises(ValueError, match="use torch's Adam/AdamW with fused=True, or set device_share to 0"):
-        ZeroEngine(module=make_model("llama"), config=load_config(cfg, world_size=1), topo=Topology.single())
+    for keys, asked in (({"device_share": 0.5}, "device_share=0.5"), ({"ratio": 0.25}, "ratio=0.25")):
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", **keys}
+        with pytest.raises(ValueError, match=f"offload_optimizer.{asked}: .*use torch's Adam/AdamW with fused=True"):
+            ZeroEngine(module=make_model("llama"), config=load_config(cfg, world_size=1), topo=Topology.single())
 
 
 # -- publishing in the next forward -------------------------------------------------------------

@@ -166,8 +166,8 @@ def test_parameter_of_another_optimizer_is_named():
     ({"sparse_attention": {"mode": "fixed"}}, "sparse_attention"),
     ({"prescale_gradients": True}, "prescale_gradients"),
     ({"fp16": {"enabled": True, "auto_cast": True}}, "fp16.auto_cast"),
-    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
-     "zero_optimization.offload_optimizer.ratio"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pipeline_read": True}}},
+     "zero_optimization.offload_optimizer.pipeline_read"),
 ])
 def test_unimplemented_deepspeed_key_is_an_error(cfg, key):
     msg = error_of({"train_batch_size": 8, **cfg})

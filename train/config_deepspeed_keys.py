@@ -176,8 +176,6 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "zero_optimization.stage3_module_granularity_threshold": _dflt("leaf-module fetch granularity", 0),
     "zero_optimization.module_granularity_threshold": _dflt("leaf-module fetch granularity", 0),
     "zero_optimization.use_multi_rank_bucket_allreduce": _dflt("multi-rank bucket all-reduce", True),
-    "zero_optimization.offload_optimizer.ratio": _dflt("offloading only part of the optimizer (Twin-Flow)",
-                                                       1.0),
     "zero_optimization.offload_optimizer.pipeline": _dflt("pipelined NVMe optimizer swapping", False),
     "zero_optimization.offload_optimizer.pipeline_read": _dflt("pipelined NVMe optimizer reads", False),
     "zero_optimization.offload_optimizer.pipeline_write": _dflt("pipelined NVMe optimizer writes", False),

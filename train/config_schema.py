@@ -360,6 +360,12 @@ class OffloadOptimizerConfig:
         "measures both; 0.75 on an H100 with 16 host cores). Torch's fused Adam/AdamW without amsgrad, "
         "CUDA, 'cpu' offload, no delayed_update; with offload_param the groups the parameter store holds stay "
         "on the CPU", 0.0)
+    ratio: float = key(
+        "DeepSpeed's Twin-Flow key: the fraction of the optimizer state offloaded to the CPU; the first 1 - ratio "
+        "of the parameters (whole groups, the first units first) keep their fp32 masters and moments in GPU "
+        "memory (12 bytes per parameter) and are updated there, costing no PCIe traffic; the rest are offloaded "
+        "as device_share says. 1 = everything offloaded. Stages 1-3 (DeepSpeed: stage 3 only); the same "
+        "conditions as device_share (torch's fused Adam/AdamW, CUDA, 'cpu' offload, no delayed_update)", 1.0)
     prefetch_depth: int = key(
         "zspeed extension, not a DeepSpeed key: with device_share, how many chunks (8 Mi elements) of the "
         "streamed groups' state may be on their way to the GPU at once during backward, uploaded ahead of the "
@@ -389,13 +395,17 @@ class OffloadOptimizerConfig:
                f"{self.SECTION}.host_threads must be an integer >= 0 (0 = auto), got {self.host_threads!r}")
         _check(0.0 <= self.device_share <= 1.0,
                f"{self.SECTION}.device_share is a fraction of the parameters, 0 to 1; got {self.device_share!r}")
-        if self.device_share > 0:
-            _check(self.device is not OffloadDevice.NVME,
-                   f"{self.SECTION}.device_share streams host-resident state through the GPU; with 'nvme' the "
-                   "state is not in host memory. Offload to 'cpu' or set device_share to 0")
-            _check(self.delayed_update is None,
-                   f"{self.SECTION}.device_share and delayed_update do not combine (the device share would be "
-                   "exact while the rest is one step stale); set one of them")
+        _check(isinstance(self.ratio, (int, float)) and 0.0 <= self.ratio <= 1.0,
+               f"{self.SECTION}.ratio is the fraction of the optimizer state offloaded, 0 to 1; got {self.ratio!r}")
+        for asked, what, off in ((self.device_share > 0, "device_share", "set device_share to 0"),
+                                 (self.ratio < 1, "ratio < 1", "set ratio to 1")):
+            if asked:  # part of the update on the GPU, from (or instead of) host-resident state
+                _check(self.device is not OffloadDevice.NVME,
+                       f"{self.SECTION}.{what} runs part of the update on the GPU with its state in host memory or "
+                       f"GPU memory; with 'nvme' the state is on disk. Offload to 'cpu' or {off}")
+                _check(self.delayed_update is None,
+                       f"{self.SECTION}.{what} and delayed_update do not combine (the GPU's part would be exact "
+                       "while the rest is one step stale); set one of them")
         _check(isinstance(self.prefetch_depth, int) and self.prefetch_depth >= 0,
                f"{self.SECTION}.prefetch_depth must be an integer >= 0 (0 = no prefetch), "
                f"got {self.prefetch_depth!r}")

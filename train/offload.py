@@ -203,6 +203,7 @@ class _Host:
     speculated: bool = False  # this step's job wrote ``shadow``
     names: tuple[str, ...] = ("master",)  # NVMe: the arrays the store holds for this group
     on_device: bool = False  # updated by the StreamedAdam ([Note: the streamed device update])
+    resident: bool = False  # on_device, its state kept in device memory ([Note: resident state (Twin-Flow)])
     device_grad: torch.Tensor | None = None  # on_device: this step's reduced gradient chunk, left on the device
     computed: Any = None  # on_device: event after this step's update wrote the group's 16-bit parameters
 
@@ -525,7 +526,8 @@ class OptimizerOffload:
                 ready = self.device.new_event()
                 ready.record(self.device.current_stream())
             h.computed = self.streamed.update(plan, master=master, grad=grad, scale=grad_scale, key=h.key,
-                                              out=self._destination(h.group), grad_ready=ready)
+                                              out=self._destination(h.group), grad_ready=ready,
+                                              resident=h.resident)
             h.device_grad = None
             record_step(optimizer)
             done.append(h)
@@ -697,6 +699,7 @@ class OptimizerOffload:
         from .checkpoint_state import local_arrays
 
         self.drain()
+        self._sync_resident()
         if self.store is None:
             return local_arrays(g, self._optimizer)
         h = self.hosts[id(g)]
@@ -705,6 +708,7 @@ class OptimizerOffload:
 
     def master_values(self, g: FlatParamGroup) -> torch.Tensor:
         self.drain()
+        self._sync_resident()
         if self.store is None:
             return g.master
         self.store.flush()
@@ -715,8 +719,9 @@ class OptimizerOffload:
         from .checkpoint_state import set_local_arrays
 
         self.drain()
-        if self.streamed is not None:  # state a backward uploaded ahead of its step is the state loaded over
+        if self.streamed is not None:  # state on the device (uploaded ahead, or resident) is what was loaded over
             self.streamed.drop_prefetched()
+            self.streamed.drop_resident()
         h = self.hosts[id(g)]
         if self.store is None:
             set_local_arrays(g, self._optimizer, arrays, scalars)
@@ -730,6 +735,12 @@ class OptimizerOffload:
         h.out = self.device.pinned_empty((g.hi - g.lo,), dtype=g.dtype)
         h.out.copy_(arrays["master"])
         self._upload(h)
+
+    def _sync_resident(self) -> None:
+        """Bring the host copies of resident state up to date before the host reads them
+        ([Note: resident state (Twin-Flow)])."""
+        if self.streamed is not None:
+            self.streamed.sync_host()
 
     def _streamed_plan(self, master: torch.Tensor, optimizer: torch.optim.Optimizer):
         """A streamed group's fused-Adam plan, its state made (first step) and pinned (copies from pageable
@@ -759,7 +770,7 @@ class OptimizerOffload:
         for h in self._need_order:
             if budget <= 0 or self.streamed.prefetch_room() <= 0:
                 return
-            if h.on_device and not self.streamed.prefetched_whole(h.key):
+            if h.on_device and not h.resident and not self.streamed.prefetched_whole(h.key):
                 master = h.group.master
                 plan = self._streamed_plan(master, self._optimizer)
                 budget -= self.streamed.prefetch(h.key, (master, plan.exp_avg, plan.exp_avg_sq), budget=budget)
@@ -771,11 +782,13 @@ class OptimizerOffload:
     def _choose_streamed(self, optimizer: torch.optim.Optimizer) -> None:
         """Mark the groups the device updates ([Note: the streamed device update]): the first trainable
         groups in unit order (their gradients are reduced last in backward, so keeping them on the device
-        costs least) until ``device_share`` of the parameters. The choice counts whole groups' elements,
-        the same on every rank, so every rank streams the same groups."""
-        share = self.config.device_share
+        costs least) until ``device_share`` of the parameters, or ``1 - ratio`` where that is more; the first
+        ``1 - ratio`` of them keep their state on the device ([Note: resident state (Twin-Flow)]). The choice
+        counts whole groups' elements, the same on every rank, so every rank streams the same groups."""
+        resident_share = 1.0 - self.config.ratio  # [Note: resident state (Twin-Flow)]
+        share = max(self.config.device_share, resident_share)
         for h in self.order:
-            h.on_device = False
+            h.on_device = h.resident = False
         if share <= 0 or not self.order:
             return
         why = None
@@ -784,8 +797,10 @@ class OptimizerOffload:
         elif any(not fused_adam_usable(optimizer, h.group.master, streamed=True) for h in self.order):
             why = "the optimizer is not torch's fused Adam/AdamW without amsgrad"
         if why is not None:
-            raise ValueError(f"offload_optimizer.device_share={share}: the device cannot run this update ({why}); "
-                             "use torch's Adam/AdamW with fused=True, or set device_share to 0")
+            asked = (f"offload_optimizer.ratio={self.config.ratio}" if resident_share > self.config.device_share
+                     else f"offload_optimizer.device_share={share}")
+            raise ValueError(f"{asked}: the device cannot run this update ({why}); use torch's Adam/AdamW with "
+                             "fused=True, or offload every update to the CPU (device_share 0, ratio 1)")
         total = sum(h.group.numel for h in self.order)
         taken = 0
         for h in self.order:
@@ -794,6 +809,7 @@ class OptimizerOffload:
             if taken + h.group.numel / 2 > share * total:
                 break
             h.on_device = True
+            h.resident = taken + h.group.numel / 2 <= resident_share * total
             taken += h.group.numel
         if self.streamed is None and taken:
             self.streamed = StreamedAdam(device=self.device, prefetch_depth=self.config.prefetch_depth)

@@ -58,6 +58,23 @@ the step got slower although the device part's state was ready earlier. With
 its 835 M streamed elements uploaded during backward (benchmarks/RESULTS.md,
 session 8).
 
+[Note: resident state (Twin-Flow)]
+DeepSpeed's ``offload_optimizer.ratio`` (its "Twin-Flow") keeps ``1 - ratio`` of
+the optimizer state on the GPU and offloads the rest. Here those groups are
+streamed groups whose chunks, once uploaded, stay in device memory: each
+step's :meth:`StreamedAdam.update` computes on them in place and downloads
+nothing, so they cost 12 bytes of device memory per element and none of the
+link. Where the link is the bound (stage 3 with every rank streaming its
+shard over its own link) that is the lever: memory a run has spare under the
+peak it may not raise buys link time. The host arrays stay allocated but
+fall behind: :meth:`StreamedAdam.sync_host` downloads the resident chunks
+that changed since the last sync, and everything that reads the host state
+(checkpoints, master values, exports) calls it first (through
+``OptimizerOffload.arrays`` / ``master_values``). Loading state over the host
+arrays drops the resident copies (:meth:`StreamedAdam.drop_resident`); the
+next update uploads them again. Numerics: the same kernel on the same values
+as the streamed path, so bit for bit the same results.
+
 [Note: device memory across streams]
 The caching allocator hands a freed block to the next allocation *on the same
 stream* at once, trusting stream order: the block's last reader was queued on
@@ -124,6 +141,11 @@ class StreamedAdam:
         self.prefetch_depth = prefetch_depth
         self._in_flight: deque = deque()  # upload events of prefetched chunks not yet seen complete, oldest first
         self._whole: set = set()  # keys every chunk of which is prefetched for the coming update
+        # [Note: resident state (Twin-Flow)]: (key, first element) -> the chunk's device arrays, kept between
+        # steps; the keys whose resident chunks changed since the host arrays were last written (with those
+        # host arrays, for sync_host).
+        self._resident: dict[tuple[Any, int], tuple[torch.Tensor, ...]] = {}
+        self._stale: dict[Any, tuple[torch.Tensor, ...]] = {}
         self._next = 0
         self._fresh = True  # no update enqueued since the last release(): the next one waits for old downloads
         self.done = None  # event after the last download enqueued
@@ -167,10 +189,7 @@ class StreamedAdam:
                 self._fresh = False
             with dev.use_stream(self.h2d):  # allocated where first written ([Note: device memory across streams])
                 dest = tuple(dev.empty((k,), dtype=torch.float32) for _ in range(3))
-                for d, src in zip(dest, host):
-                    d.copy_(src[lo:lo + k], non_blocking=True)
-                loaded = dev.new_event()
-                loaded.record(self.h2d)
+                loaded = self._upload(dest, host, lo, lo + k)
             self._prefetched[key, lo] = _Slot(arrays=dest, loaded=loaded)
             self._in_flight.append(loaded)
             taken += 12 * k
@@ -192,7 +211,7 @@ class StreamedAdam:
         self._whole.clear()
 
     def update(self, plan: AdamPlan, *, master: torch.Tensor, grad: torch.Tensor, scale: float,
-               out: torch.Tensor, grad_ready: Any, key: Any = None) -> Any:
+               out: torch.Tensor, grad_ready: Any, key: Any = None, resident: bool = False) -> Any:
         """Enqueue ``master.grad = fp32(grad) × scale; optimizer.step(); out.copy_(master)`` on the device.
 
         ``master`` and ``plan``'s moments are host tensors (pinned on CUDA), ``grad`` and ``out`` device
@@ -200,13 +219,17 @@ class StreamedAdam:
         the gradient. Returns at once on CUDA; ``out`` is written on :attr:`compute` (make the stream that
         reads it wait for that stream, or for the returned event, after which ``out`` is written) and the
         host arrays on :attr:`d2h` (call :meth:`wait` before the host reads them). Steps ``plan.step``
-        once, as the host path does. Chunks :meth:`prefetch` uploaded under ``key`` are not uploaded again."""
+        once, as the host path does. Chunks :meth:`prefetch` uploaded under ``key`` are not uploaded again.
+        With ``resident`` (and a ``key``) the chunks stay on the device after the update and the host arrays are
+        left behind until :meth:`sync_host` (see [Note: resident state (Twin-Flow)])."""
         n = master.numel()
         if grad.numel() != n or out.numel() != n:
             raise ValueError(f"StreamedAdam.update: master has {n} elements, its gradient {grad.numel()} and its "
                              f"output {out.numel()}; they must be the same chunk of the group")
         if plan.max_exp_avg_sq is not None:
             raise ValueError("StreamedAdam.update: amsgrad is not streamed (its fourth array); use the host update")
+        if resident and key is None:
+            raise ValueError("StreamedAdam.update: resident state needs a key to find it again next step")
         dev = self.device
         computed = None
         host = [t.view(-1) for t in (master, plan.exp_avg, plan.exp_avg_sq)]
@@ -228,22 +251,31 @@ class StreamedAdam:
                 hi = min(n, lo + self.chunk)
                 k = hi - lo
                 ahead = self._prefetched.pop((key, lo), None) if key is not None else None
-                if ahead is not None:  # uploaded during backward
+                kept = self._resident.get((key, lo)) if resident else None
+                gbuf = None
+                if kept is not None:  # on the device since an earlier step ([Note: resident state (Twin-Flow)])
+                    (p, m, v), loaded = kept, None
+                elif ahead is not None:  # uploaded during backward
                     slot, loaded = ahead, ahead.loaded
                     p, m, v = ahead.arrays
-                    with dev.use_stream(self.compute):
-                        gbuf = dev.empty((k,), dtype=torch.float32)
+                elif resident:  # uploaded once, into arrays of its own that stay
+                    with dev.use_stream(self.h2d):  # allocated where first written
+                        p, m, v = (dev.empty((k,), dtype=torch.float32) for _ in range(3))
+                        loaded = self._upload((p, m, v), host, lo, hi)
                 else:
                     slot = self._slot()
                     p, m, v, gbuf = (a[:k] for a in slot.arrays)
                     if slot.free is not None:
                         self.h2d.wait_event(slot.free)
                     with dev.use_stream(self.h2d):
-                        for d, src in zip((p, m, v), host):
-                            d.copy_(src[lo:hi], non_blocking=True)
-                        loaded = dev.new_event()
-                        loaded.record(self.h2d)
-                self.compute.wait_event(loaded)
+                        loaded = self._upload((p, m, v), host, lo, hi)
+                if resident:
+                    self._resident[key, lo] = (p, m, v)
+                if gbuf is None:
+                    with dev.use_stream(self.compute):
+                        gbuf = dev.empty((k,), dtype=torch.float32)
+                if loaded is not None:
+                    self.compute.wait_event(loaded)
                 with dev.use_stream(self.compute):
                     gbuf.copy_(g[lo:hi])
                     if scale != 1.0:
@@ -252,6 +284,9 @@ class StreamedAdam:
                     o[lo:hi].copy_(p)
                     computed = dev.new_event(timing=True)
                     computed.record(self.compute)
+                if resident:  # nothing goes down: the host arrays wait for sync_host
+                    self._stale[key] = tuple(host)
+                    continue
                 self.d2h.wait_event(computed)
                 with dev.use_stream(self.d2h):
                     for d, src in zip(host, (p, m, v)):
@@ -268,6 +303,47 @@ class StreamedAdam:
             self.done.record(self.d2h)
         self.elements += n
         return computed
+
+    def _upload(self, dest: tuple[torch.Tensor, ...], host: list[torch.Tensor], lo: int, hi: int) -> Any:
+        """Copy ``host[i][lo:hi]`` into ``dest[i]`` on the current (H2D) stream; returns the event after it."""
+        for d, src in zip(dest, host):
+            d.copy_(src[lo:hi], non_blocking=True)
+        loaded = self.device.new_event()
+        loaded.record(self.h2d)
+        return loaded
+
+    @property
+    def resident_elements(self) -> int:
+        """Elements whose state is kept on the device ([Note: resident state (Twin-Flow)])."""
+        return sum(t[0].numel() for t in self._resident.values())
+
+    def sync_host(self) -> None:
+        """Write the resident chunks that changed since the last sync back to their host arrays and wait for
+        every download (see [Note: resident state (Twin-Flow)]); afterwards the host arrays are current."""
+        if self._stale:
+            dev = self.device
+            self.d2h.wait_stream(self.compute)
+            with dev.use_stream(self.d2h):
+                for (key, lo), arrays in self._resident.items():
+                    host = self._stale.get(key)
+                    if host is None:
+                        continue
+                    for d, src in zip(host, arrays):
+                        d[lo:lo + src.numel()].copy_(src, non_blocking=True)
+                self.done = dev.new_event(timing=True)
+                self.done.record(self.d2h)
+            self._stale.clear()
+        self.wait()
+
+    def drop_resident(self) -> None:
+        """Forget the resident chunks (state was loaded over the host arrays): the next update uploads them
+        again. Changes not yet written back are lost, as the load intends."""
+        for arrays in self._resident.values():
+            for t in arrays:
+                for stream in (self.h2d, self.compute, self.d2h):
+                    self.device.record_stream(t, stream)
+        self._resident.clear()
+        self._stale.clear()
 
     def release(self) -> None:
         """Give the slots back to the allocator once the work enqueued on them is done (call after the last
@@ -288,8 +364,9 @@ class StreamedAdam:
             self.done.synchronize()
 
     def close(self) -> None:
-        self.wait()
+        self.sync_host()
         self.release()
+        self.drop_resident()
 
 
 def _device_hyper(hyper: dict[str, Any], dev: DeviceHandle) -> dict[str, Any]:
