@@ -19,7 +19,9 @@ micro-batch 1, bf16, activation checkpointing, AdamW on the CPU (pinned); 2 warm
 zspeed builds the model on the meta device and materialises one module at a time
 (:class:`zspeed.train.meta_init.ModuleInit`); DeepSpeed under ``deepspeed.zero.Init`` at stage 3.
 Systems: ``zspeed-z3-offload`` (optimizer and parameters on the CPU), ``zspeed-z2-offload``
-(optimizer only), ``deepspeed-z3-offload``, ``deepspeed-z2-offload``. Each row reports tokens/s, step
+(optimizer only), ``zspeed-z3-offload-devfwd`` (optimizer on the CPU, ``--device-share`` of its update run on
+the GPU with the state streamed, overlap_forward; ``@rF`` adds offload_optimizer.ratio F),
+``deepspeed-z3-offload``, ``deepspeed-z2-offload``. Each row reports tokens/s, step
 time, peak GPU GiB and peak host RSS GiB, or the error (OOM) that stopped it; the largest size that
 trains is the system's capacity.
 """
@@ -44,14 +46,21 @@ SIZES = {  # hidden, layers, heads, kv heads, ffn, vocab
 }
 THROUGHPUT_SETS = ((1, "zspeed-z2-offload-devfwd,zspeed-z2-offload-dev,zspeed-z2-offload,deepspeed-z2-offload"),
                    (2, "zspeed-z3-offload-devfwd,zspeed-z3-offload,deepspeed-z3-offload"))
-CAPACITY_SYSTEMS = ["zspeed-z3-offload", "deepspeed-z3-offload", "zspeed-z2-offload", "deepspeed-z2-offload"]
+CAPACITY_SYSTEMS = ["zspeed-z3-offload", "deepspeed-z3-offload", "zspeed-z2-offload", "deepspeed-z2-offload",
+                    "zspeed-z3-offload-devfwd"]
 
 
 def capacity_config(args, stage: int, system: str) -> dict:
     """bench_train's DeepSpeed config, plus parameter offload at stage 3 and activation checkpointing."""
     ns = argparse.Namespace(micro_batch=1)
     cfg = bench_train.ds_config(ns, stage, True)
-    if stage == 3:
+    system, *variants = system.split("@")
+    opt = cfg["zero_optimization"]["offload_optimizer"]
+    if system.endswith("-devfwd"):  # parameters on the GPU; device_share of the update there, state streamed
+        opt.update(device_share=args.device_share, overlap_forward=True)
+        for v in variants:  # @rF: offload_optimizer.ratio = F (the first 1 - F keep their state on the GPU)
+            opt["ratio"] = float(v[1:])
+    elif stage == 3:
         cfg["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
         cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = 5e7
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 1e5
@@ -125,7 +134,8 @@ def capacity_driver(args) -> list[dict]:
         for system in args.systems.split(","):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--master-port",
                    str(29600 + len(rows)), __file__, "--capacity-one", "--size", size, "--system", system,
-                   "--seq", str(args.seq), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+                   "--seq", str(args.seq), "--warmup", str(args.warmup), "--steps", str(args.steps),
+                   "--device-share", str(args.device_share)]
             t0 = time.time()
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -174,6 +184,16 @@ def throughput_driver(args) -> list[dict]:
     return rows
 
 
+def _capacity_system(name: str) -> str:
+    base, *variants = name.split("@")
+    ok = base in CAPACITY_SYSTEMS and (not variants or (base.endswith("-devfwd") and all(
+        v[:1] == "r" and v[1:].replace(".", "", 1).isdigit() and float(v[1:]) <= 1 for v in variants)))
+    if not ok:
+        raise argparse.ArgumentTypeError(f"unknown capacity system {name!r}: one of {CAPACITY_SYSTEMS}; "
+                                         "-devfwd may end in @rF (offload_optimizer.ratio)")
+    return name
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=("throughput", "capacity"), default="capacity")
@@ -188,7 +208,8 @@ def main() -> None:
                     help="throughput: only the 1-GPU (ZeRO-2) or the 2-GPU (ZeRO-3) set; default both")
     ap.add_argument("--capacity-one", action="store_true", help="(internal) one capacity run in this process")
     ap.add_argument("--size", choices=sorted(SIZES))
-    ap.add_argument("--system", choices=CAPACITY_SYSTEMS)
+    ap.add_argument("--system", type=_capacity_system)
+    ap.add_argument("--device-share", type=float, default=0.75, help="-devfwd systems: offload_optimizer.device_share")
     args = ap.parse_args()
     if args.capacity_one:
         run_capacity_one(args)
