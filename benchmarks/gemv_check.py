@@ -2,7 +2,7 @@
 
     python benchmarks/gemv_check.py [--ms 1 4] [--shapes 8192x8192 8192x28672 28672x8192] [--json F]
 
-For each shape (K x N), format (INT4 g128 with zero points, INT8) and row count: checks both kernels
+For each shape (K x N), format (INT4 g128 with zero points, INT8, plain 2:4 by magnitude) and row count: checks both kernels
 against the reference, tunes each over its own candidates ([Note: kernel tuning] in kernels/_word.py),
 and prints the best time of each beside cuBLAS bf16 in the same process, as speed-ups over bf16
 (CUDA graphs, L2 flushed before each call: kernels/_runtime.py graph_time_ms).
@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from zspeed.compress import quantize_int4, quantize_int8
-from zspeed.kernels import _word, w4a16_ref, w8a16_ref
+from zspeed.compress.nm import compress_nm, prune_nm
+from zspeed.kernels import _word, sparse24_ref, w4a16_ref, w8a16_ref
 from zspeed.kernels._runtime import graph_time_ms, m_bucket
 
 
@@ -30,7 +31,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ms", type=int, nargs="*", default=[1, 4])
     p.add_argument("--shapes", type=_shape, nargs="*", default=[(8192, 8192), (8192, 28672), (28672, 8192)])
-    p.add_argument("--formats", nargs="*", default=["w4", "w8"], choices=["w4", "w8"])
+    p.add_argument("--formats", nargs="*", default=["w4", "w8"], choices=["w4", "w8", "s24"])
     p.add_argument("--json")
     args = p.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
@@ -42,11 +43,17 @@ def main() -> None:
                 q = quantize_int4(w, group_size=128, scale_dtype=torch.bfloat16)
                 f, s, z, group = _word.FMT_W4, q.scales, q.zeros, 128
                 ref_fn = lambda x, q=q: w4a16_ref(x, q.qweight, q.scales, q.zeros, 128)  # noqa: E731
-            else:
+            elif fmt == "w8":
                 q = quantize_int8(w, scale_dtype=torch.bfloat16)
                 f, s, z, group = _word.FMT_W8, q.scales, None, 0
                 ref_fn = lambda x, q=q: w8a16_ref(x, q.qweight, q.scales)  # noqa: E731
-            words = q.qweight.view(torch.int32)
+            if fmt == "s24":
+                sp = compress_nm(prune_nm(w, w.abs(), n=2, m=4))
+                words, meta = _word.word_view(_word.FMT_S24, sp.values, sp.meta, k)
+                f, s, z, group = _word.FMT_S24, sp.values, None, 1
+                ref_fn = lambda x, sp=sp: sparse24_ref(x, sp.values, sp.meta)  # noqa: E731
+            else:
+                words, meta = q.qweight.view(torch.int32), None
             for m in args.ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 base = graph_time_ms(lambda: F.linear(x, w))
@@ -57,11 +64,11 @@ def main() -> None:
                 for kind, cands in kinds.items():
                     def launch(c):
                         if c.row_blocks:
-                            return _word.run_stationary(x, words, s, z, c, fmt=f, group=group, n=n)
+                            return _word.run_stationary(x, words, s, z, c, fmt=f, group=group, n=n, meta=meta)
                         _word._BEST.clear()
                         key = ("gemv", f, group, z is not None, m_bucket(m), n, k, x.dtype)
                         _word._BEST[key] = c
-                        return _word.run_gemv(x, words, s, z, None, fmt=f, group=group, n=n, k=k)
+                        return _word.run_gemv(x, words, s, z, meta, fmt=f, group=group, n=n, k=k)
                     err = max(((launch(c).float() - ref).abs().max() / ref.abs().max()).item() for c in cands[:2])
                     start = time.perf_counter()
                     best = _word._fastest(cands, launch)

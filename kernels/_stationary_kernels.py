@@ -173,12 +173,18 @@ def stationary_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_
             t = _plane(t, hi, x2, 0, 8)
             t = _plane(t, hi, x3, 8, 8)
             part = (tl.sum(tl.sum(t, axis=2), axis=1) * 2.0 ** 56 - 128.0 * x_sum) * s
-        if not PARTIAL:  # one slice: the output directly
-            tl.store(out_ptr + pid_m * stride_om + rows, part.to(out_ptr.dtype.element_ty), mask=rmask)
-        else:
-            tl.store(part_ptr + (pid_m * SPLIT + pid_k) * N + rows, part, mask=rmask)
+        _store_rows(part, out_ptr, part_ptr, pid_m, pid_k, rows, rmask, N, SPLIT, stride_om, PARTIAL)
     if PARTIAL:
         _finish(part_ptr, count_ptr, out_ptr, pid_m, pid_r, row0, N, SPLIT, stride_om, BLOCK_N * ROW_BLOCKS, FIX_K)
+
+
+@triton.jit
+def _store_rows(part, out_ptr, part_ptr, pid_m, pid_k, rows, rmask, N, SPLIT, stride_om, PARTIAL: tl.constexpr):
+    """A block's sums: with one slice the output itself (in its dtype), else this slice's fp32 partials."""
+    if not PARTIAL:
+        tl.store(out_ptr + pid_m * stride_om + rows, part.to(out_ptr.dtype.element_ty), mask=rmask)
+    else:
+        tl.store(part_ptr + (pid_m * SPLIT + pid_k) * N + rows, part, mask=rmask)
 
 
 @triton.jit
@@ -283,9 +289,63 @@ def stationary_s24w4_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, coun
         else:
             tg = tg - 8.0 * x_sum
         part = tl.sum(tg * s, axis=1)
-        if not PARTIAL:
-            tl.store(out_ptr + pid_m * stride_om + rows, part.to(out_ptr.dtype.element_ty), mask=rmask)
-        else:
-            tl.store(part_ptr + (pid_m * SPLIT + pid_k) * N + rows, part, mask=rmask)
+        _store_rows(part, out_ptr, part_ptr, pid_m, pid_k, rows, rmask, N, SPLIT, stride_om, PARTIAL)
+    if PARTIAL:
+        _finish(part_ptr, count_ptr, out_ptr, pid_m, pid_r, row0, N, SPLIT, stride_om, BLOCK_N * ROW_BLOCKS, FIX_K)
+
+
+@triton.jit
+def _x_cols(x_row, word, live, C: tl.constexpr):
+    """Plain 2:4: column ``4 * word + C`` of ``x`` (fp32) for every value word of the slice."""
+    return tl.load(x_row + word * 4 + C, mask=live, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_s24(w_ptr, meta_ptr, rows, N, word, live, stride_wn, stride_mn, EVEN: tl.constexpr):
+    """Value words ``(BN, G, 8)`` of weight rows ``rows`` and, beside each, its unit's int32 metadata word (the 8
+    words of a unit load the same address: a ``(BN, G, 1)`` load broadcast to the words' layout made Triton convert
+    layouts through shared memory, 16 barriers per block); rows from ``N`` on read nothing."""
+    rmask = (rows < N)[:, None, None]
+    if not EVEN:
+        rmask = rmask & live
+    w = tl.load(w_ptr + rows[:, None, None] * stride_wn + word, mask=rmask, other=0)
+    meta = tl.load(meta_ptr + rows[:, None, None] * stride_mn + word // 8, mask=rmask, other=0)
+    return w, meta
+
+
+@triton.jit(do_not_specialize=["M", "SPLIT"])
+def stationary_s24_kernel(x_ptr, w_ptr, meta_ptr, part_ptr, count_ptr, out_ptr, M, N, KW, SPLIT,
+                          stride_xm, stride_wn, stride_mn, stride_om,
+                          G: tl.constexpr, BLOCK_N: tl.constexpr, ROW_BLOCKS: tl.constexpr, PARTIAL: tl.constexpr,
+                          EVEN: tl.constexpr, FIX_K: tl.constexpr):
+    """Plain 2:4 (FMT 2: a word is one block of 4 columns, its two kept bf16 values, low half first; the metadata
+    read as int32 words, 8 blocks each, block ``j`` at bits ``4j``: 2-bit positions p0 < p1), x-stationary
+    ([Note: x-stationary GEMV]): the slice's 4 columns of ``x`` per word stay in registers, each kept value picks
+    its column by its position, one FFMA per value (bf16 values become fp32 by a shift or a mask). A slice is
+    ``G`` units of 8 words (one metadata word each); grid and workspace as ``stationary_gemv_kernel``'s."""
+    pid_m, pid_k, pid_r, word, live, x_row = _program_slice(x_ptr, stride_xm, KW, G, 8)
+    x0 = _x_cols(x_row, word, live, 0)
+    x1 = _x_cols(x_row, word, live, 1)
+    x2 = _x_cols(x_row, word, live, 2)
+    x3 = _x_cols(x_row, word, live, 3)
+    shift = 4 * tl.arange(0, 8)[None, None, :]  # block j of a unit at bits 4j
+    n1 = tl.arange(0, BLOCK_N)
+    row0 = pid_r * (BLOCK_N * ROW_BLOCKS)
+    w_next, m_next = _load_s24(w_ptr, meta_ptr, row0 + n1, N, word, live, stride_wn, stride_mn, EVEN)
+    for b in range(ROW_BLOCKS):
+        w = w_next  # [Note: register prefetch] in _word_kernels: the next block's words in flight
+        meta = m_next
+        rows = row0 + b * BLOCK_N + n1
+        rmask = rows < N
+        w_next, m_next = _load_s24(w_ptr, meta_ptr, tl.where(b + 1 < ROW_BLOCKS, rows + BLOCK_N, N), N, word, live,
+                                   stride_wn, stride_mn, EVEN)
+        nib = meta >> shift  # (BN, G, 8): bits 0-1 p0, bits 2-3 p1 (higher bits are later blocks': not read)
+        # sorted positions, p0 <= 2 and p1 >= 1, so single bits choose: one bit test and one select each
+        xa = tl.where((nib & 2) != 0, x2, tl.where((nib & 1) != 0, x1, x0))
+        xb = tl.where((nib & 8) != 0, tl.where((nib & 4) != 0, x3, x2), x1)
+        t = tl.fma((w << 16).to(tl.float32, bitcast=True), xa, 0.0)
+        t = tl.fma((w & -65536).to(tl.float32, bitcast=True), xb, t)
+        part = tl.sum(tl.sum(t, axis=2), axis=1)
+        _store_rows(part, out_ptr, part_ptr, pid_m, pid_k, rows, rmask, N, SPLIT, stride_om, PARTIAL)
     if PARTIAL:
         _finish(part_ptr, count_ptr, out_ptr, pid_m, pid_r, row0, N, SPLIT, stride_om, BLOCK_N * ROW_BLOCKS, FIX_K)

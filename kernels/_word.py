@@ -8,7 +8,7 @@ Two paths, both for weights whose packed rows can be read as int32 words
   ``BLOCK_N`` weight rows, slice of ``K``); with one slice the result is stored in
   ``x.dtype`` directly; with several, fp32 atomics go into a zeroed buffer that is
   cast at the end (two more small kernels, which is why splitting is only picked
-  where it pays). For INT8, INT4 and 2:4 + INT4, the x-stationary kernels
+  where it pays). For INT8, INT4, plain 2:4 and 2:4 + INT4, the x-stationary kernels
   (``_stationary_kernels``, [Note: x-stationary GEMV]): one program per (row of
   ``x``, slice of ``K``, run of weight rows), its slice of ``x`` held in registers
   while weight rows stream past; slices meet in one launch.
@@ -109,6 +109,16 @@ def word_view(fmt: int, w: torch.Tensor, meta: torch.Tensor | None, k: int):
     return w.view(torch.int32), meta
 
 
+def meta_words(meta: torch.Tensor) -> torch.Tensor | None:
+    """Plain 2:4 metadata ``(N, K/8)`` uint8 as int32 words (8 blocks each, block ``j`` at bits ``4j``, the byte
+    order being little-endian), or ``None`` where the rows cannot be viewed so (``K`` not a multiple of 32, rows
+    not contiguous or not 4-byte aligned)."""
+    if (meta.dim() != 2 or meta.dtype != torch.uint8 or meta.shape[1] % 4 or meta.stride(-1) != 1
+            or meta.stride(0) % 4 or meta.storage_offset() % 4):
+        return None
+    return meta.view(torch.int32) if meta.is_contiguous() else None
+
+
 def plane_major(x: torch.Tensor, cpw: int) -> torch.Tensor:
     """``(M, K)`` → ``(M, cpw, K / cpw)`` with ``xp[m, j, w] = x[m, cpw * w + j]`` (see ``_word_kernels``)."""
     m, k = x.shape
@@ -184,10 +194,12 @@ STATIONARY_WORKSPACE = 1 << 22  # fp32 partial sums (16 MiB) per device; slices 
 
 
 def stationary_candidates(fmt: int, m: int, n: int, kw: int, group: int, device: torch.device) -> list[WordConfig]:
-    """x-stationary configs ([Note: x-stationary GEMV]): INT8, or INT4 and 2:4 + INT4 with groups of a
-    power-of-two number of words."""
-    if fmt not in (FMT_W8, FMT_W4, FMT_S24W4) or m > 8:
+    """x-stationary configs ([Note: x-stationary GEMV]): INT8, plain 2:4 (``K`` a multiple of 32), or INT4 and
+    2:4 + INT4 with groups of a power-of-two number of words."""
+    if fmt not in (FMT_W8, FMT_W4, FMT_S24W4, FMT_S24) or m > 8:
         return []
+    if fmt == FMT_S24 and kw % 8:
+        return []  # the metadata is read as int32 words of 8 blocks (32 columns)
     if fmt in (FMT_W4, FMT_S24W4):
         wg = group // CPW[fmt]
         if group % CPW[fmt] or wg < 1 or wg & (wg - 1) or kw % wg:
@@ -210,7 +222,7 @@ def stationary_candidates(fmt: int, m: int, n: int, kw: int, group: int, device:
         while rb < 32 and m * split * cdiv(n, bn * rb * 2) >= 4 * sms:  # fit at once depends on registers:
             rb *= 2  # the tuner sees which wave shape is faster)
         out += [WordConfig(1, bn, bw, split, warps, row_blocks=r) for r in sorted({rb, min(32, 2 * rb)})]
-        if rb > 2 and fmt != FMT_S24W4:  # blocks two ahead in flight ([Note: register prefetch] in _word_kernels)
+        if rb > 2 and fmt in (FMT_W8, FMT_W4):  # blocks two ahead ([Note: register prefetch] in _word_kernels)
             out.append(WordConfig(1, bn, bw, split, warps, prefetch=2, row_blocks=rb))
     return out
 
@@ -366,6 +378,14 @@ def run_stationary(x, words, s, z, c: WordConfig, *, fmt: int, group: int, n: in
     wg = c.block_w if fmt == FMT_W8 else group // CPW[fmt]  # words per group (INT8: per slice, one "group")
     fix_k = max(1, min(8, 2048 // (c.block_n * c.row_blocks)))
     zz = z if z is not None else s
+    if fmt == FMT_S24:
+        mw = meta_words(meta)
+        _stationary_kernels().stationary_s24_kernel[(m, c.split_k, runs)](
+            x, words, mw, partials, counters, out, m, n, kw, c.split_k,
+            x.stride(0), words.stride(0), mw.stride(0), out.stride(0),
+            G=c.block_w // 8, BLOCK_N=c.block_n, ROW_BLOCKS=c.row_blocks, PARTIAL=c.split_k > 1,
+            EVEN=kw % c.block_w == 0, FIX_K=fix_k, num_warps=c.warps)
+        return out
     if fmt == FMT_S24W4:
         _stationary_kernels().stationary_s24w4_kernel[(m, c.split_k, runs)](
             x, words, meta, s, zz, partials, counters, out, m, n, kw, c.split_k,
@@ -407,7 +427,10 @@ def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
 
     key = ("gemv", fmt, group, z is not None, m_bucket(m), n, k, x.dtype)
     tiles = gemv_candidates(fmt, m, n, kw, group, x.device)
-    return launch(_pick(key, tiles + stationary_candidates(fmt, m, n, kw, group, x.device), launch))
+    stationary = stationary_candidates(fmt, m, n, kw, group, x.device)
+    if fmt == FMT_S24 and meta_words(meta) is None:
+        stationary = []  # metadata the x-stationary kernel cannot read as int32 words
+    return launch(_pick(key, tiles + stationary, launch))
 
 
 def run_wdot(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> torch.Tensor:

@@ -217,7 +217,37 @@ def test_stationary_gemv_matches_reference(fmt, m, n, k, group, sym, dtype):
                  w8a16_ref(xs, q.qweight, q.scales)).float()
         out_s = _word.run_stationary(xs, words, s, z, cfg, fmt=f, group=group, n=n).float()
         assert ((out_s - ref_s).abs().max() / ref_s.abs().max()).item() <= TOL[dtype], scale
-    assert _word.stationary_candidates(_word.FMT_S24, m, n, words.shape[1], group, x.device) == []
+
+
+@needs_interp
+@pytest.mark.parametrize("m,n,k,dtype", [(1, 37, 512, torch.float32), (3, 24, 256, torch.bfloat16),
+                                         (2, 40, 384, torch.float16), (1, 45, 96, torch.bfloat16)])
+def test_stationary_sparse24_matches_reference(m, n, k, dtype):
+    """The plain 2:4 x-stationary kernel ([Note: x-stationary GEMV]): each kept bf16 value picks its column of x by
+    its position, read from int32 metadata words of 8 blocks; several slices with a partial last one (96 columns:
+    1.5 slices of 64), or one slice; run twice (the counters must be back at zero)."""
+    from zspeed.kernels import _word
+
+    x, w = _inputs(m, n, k, dtype, seed=13)
+    sp = compress_nm(prune_nm(w, w.abs(), n=2, m=4))
+    values = sp.values.to(torch.bfloat16)
+    ref = sparse24_ref(x, values, sp.meta)
+    words, meta = _word.word_view(_word.FMT_S24, values, sp.meta, k)
+    (cfg,) = _word.stationary_candidates(_word.FMT_S24, m, n, words.shape[1], 1, x.device)
+    assert cfg.split_k > 1
+    one = dataclasses.replace(cfg, split_k=1, block_w=1 << (words.shape[1] - 1).bit_length())
+    for c in (cfg, cfg, one):
+        out = _word.run_stationary(x, words, None, None, c, fmt=_word.FMT_S24, group=1, n=n, meta=meta)
+        _close(out, ref, dtype)
+    assert not _word._WORKSPACE[x.device][1].any(), "every counter back at zero"
+    # K not a multiple of 32 (the metadata is read 4 bytes at a time): no x-stationary config, gemv still right
+    x, w = _inputs(m, n, 48, dtype, seed=14)
+    sp = compress_nm(prune_nm(w, w.abs(), n=2, m=4))
+    words, _ = _word.word_view(_word.FMT_S24, sp.values.to(torch.bfloat16), sp.meta, 48)
+    assert _word.stationary_candidates(_word.FMT_S24, m, n, words.shape[1], 1, x.device) == []
+    assert _word.meta_words(sp.meta) is None
+    _close(sparse24_matmul(x, sp.values.to(torch.bfloat16), sp.meta, path="gemv"),
+           sparse24_ref(x, sp.values.to(torch.bfloat16), sp.meta), dtype)
 
 
 @needs_interp
