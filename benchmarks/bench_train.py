@@ -61,7 +61,8 @@ def ds_config(args, stage: int, offload: bool, *, delayed_update: int | None = N
     return {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
             "bf16": {"enabled": True}, "gradient_clipping": clip, "zero_optimization": zero,
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.95], "eps": 1e-8,
-                                                       "weight_decay": 0.1, **({} if offload else {"torch_adam": True})}},
+                                                       "weight_decay": 0.1,
+                                                       **({} if offload else {"torch_adam": True})}},
             "steps_per_print": 10 ** 9}
 
 
@@ -385,7 +386,8 @@ def _system(name: str) -> str:
     if base not in SYSTEMS or (variants and not ((base.endswith(("-dev", "-devfwd")) or twin_flow)
                                                  and all(map(known, variants)))):
         raise argparse.ArgumentTypeError(f"unknown system {name!r}: use one of {SYSTEMS}; a -dev system may end "
-                                         "in @pfN (prefetch depth) and/or @rF (offload_optimizer.ratio), deepspeed-z3-offload in @rF")
+                                         "in @pfN (prefetch depth) and/or @rF (offload_optimizer.ratio), "
+                                         "deepspeed-z3-offload in @rF")
     return name
 
 

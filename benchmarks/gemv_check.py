@@ -2,10 +2,10 @@
 
     python benchmarks/gemv_check.py [--ms 1 4] [--shapes 8192x8192 8192x28672 28672x8192] [--json F]
 
-For each shape (K x N), format (INT4 g128 with zero points, INT8, plain 2:4 by magnitude) and row count: checks both kernels
-against the reference, tunes each over its own candidates ([Note: kernel tuning] in kernels/_word.py),
-and prints the best time of each beside cuBLAS bf16 in the same process, as speed-ups over bf16
-(CUDA graphs, L2 flushed before each call: kernels/_runtime.py graph_time_ms).
+For each shape (K x N), format (INT4 g128 with zero points, INT8, plain 2:4 by magnitude) and row count:
+checks both kernels against the reference, tunes each over its own candidates ([Note: kernel tuning] in
+kernels/_word.py), and prints the best time of each beside cuBLAS bf16 in the same process, as speed-ups over
+bf16 (CUDA graphs, L2 flushed before each call: kernels/_runtime.py graph_time_ms).
 """
 from __future__ import annotations
 

@@ -8,11 +8,12 @@ cores (``semi``). The defaults come from the H200 run in benchmarks/RESULTS.md
 (gemv beats wdot only at one row; wdot beats dequantize + cuBLAS up to 64 rows;
 sparse tensor cores beat everything for 2:4 from 256 rows); since the full-depth
 ``wdot`` kernel (session 8, H100) it also beats dequantize + cuBLAS at 256 rows for
-INT8 and INT4, so those go dense only from 512 rows (257-511 rows not measured). Shapes the word kernels cannot read, and the 2:4 formats above
-``gemv_max_m``, use the generic skeleton: split-K keeps the GPU full when the
-output has few tiles. At medium ``M`` a tiled GEMM still saves bytes. At large ``M`` the
-matmul is compute-bound and cuBLAS beats any Triton GEMM, so the weight is
-dequantized once (cost ~ one pass over the dense weight) and handed to cuBLAS.
+INT8 and INT4, so those go dense only from 512 rows (257-511 rows not measured).
+Shapes the word kernels cannot read, and the 2:4 formats above ``gemv_max_m``, use
+the generic skeleton: split-K keeps the GPU full when the output has few tiles. At
+medium ``M`` a tiled GEMM still saves bytes. At large ``M`` the matmul is compute-bound
+and cuBLAS beats any Triton GEMM, so the weight is dequantized once (cost ~ one pass
+over the dense weight) and handed to cuBLAS.
 The thresholds are per format; ``benchmarks/bench_kernels.py`` prints every path
 so they can be set from measurements with :func:`set_kernel_policy`.
 """

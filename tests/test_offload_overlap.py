@@ -238,9 +238,7 @@ def _resident_grid(topo, root: str) -> list[str]:
             errors.append(f"{label}: a resident group was prefetched")
         # After a step the host master of a resident group is behind its device copy until something reads it
         # (run() itself ends by reading the masters).
-        for k in range(twin.config.gradient_accumulation_steps):
-            twin.backward(loss_of("llama", twin, micro_batch("llama", twin.global_steps, k * topo.world_size + topo.rank)))
-            twin.step()
+        _step_without_reading(twin, topo)
         h = resident[0]
         device_master = torch.cat([streamer._resident[h.key, lo][0] for lo in range(0, h.group.hi - h.group.lo,
                                                                                      streamer.chunk)])
@@ -248,7 +246,15 @@ def _resident_grid(topo, root: str) -> list[str]:
             errors.append(f"{label}: the host master was written back after the step (nothing read it)")
         if not torch.equal(twin.offload.master_values(h.group), device_master):
             errors.append(f"{label}: master_values did not bring the host master up to date")
-        run(exact, topo, 1)
+        _step_without_reading(twin, topo)  # stale again; now read off the optimizer
+        state = twin.optimizer.state_dict()["state"]
+        index = next(i for i, p in enumerate(p for g in twin.optimizer.param_groups for p in g["params"])
+                     if p is h.group.master)
+        device_avg = torch.cat([streamer._resident[h.key, lo][1] for lo in range(0, h.group.hi - h.group.lo,
+                                                                                 streamer.chunk)])
+        if not torch.equal(state[index]["exp_avg"], device_avg):
+            errors.append(f"{label}: optimizer.state_dict() returned a stale exp_avg of a resident group")
+        run(exact, topo, 2)
         twin.save_checkpoint(f"{root}/ck-twin{stage}")
         exact.save_checkpoint(f"{root}/ck-exact{stage}")
         after = run(exact, topo, 2)
@@ -261,6 +267,14 @@ def _resident_grid(topo, root: str) -> list[str]:
         twin.load_checkpoint(f"{root}/ck-exact{stage}")
         errors += _same(run(twin, topo, 2), after, f"{label}: loaded over resident state")
     return errors
+
+
+def _step_without_reading(engine: ZeroEngine, topo) -> None:
+    """One step, as run() takes it, without reading anything back (run() ends by reading the masters)."""
+    for k in range(engine.config.gradient_accumulation_steps):
+        engine.backward(loss_of("llama", engine, micro_batch("llama", engine.global_steps,
+                                                             k * topo.world_size + topo.rank)))
+        engine.step()
 
 
 def test_resident_state_is_bit_exact_and_checkpoints(tmp_path):

@@ -778,6 +778,13 @@ class OptimizerOffload:
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
         self._optimizer = optimizer
         self._choose_streamed(optimizer)
+        # A state dict taken off the optimizer itself (not through the engine's checkpoints) sees landed
+        # updates and current host copies of resident state ([Note: resident state (Twin-Flow)]).
+        self._hook_handles.append(optimizer.register_state_dict_pre_hook(self._before_state_dict))
+
+    def _before_state_dict(self, optimizer: torch.optim.Optimizer) -> None:
+        self.drain()
+        self._sync_resident()
 
     def _choose_streamed(self, optimizer: torch.optim.Optimizer) -> None:
         """Mark the groups the device updates ([Note: the streamed device update]): the first trainable

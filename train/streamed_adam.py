@@ -69,8 +69,9 @@ shard over its own link) that is the lever: memory a run has spare under the
 peak it may not raise buys link time. The host arrays stay allocated but
 fall behind: :meth:`StreamedAdam.sync_host` downloads the resident chunks
 that changed since the last sync, and everything that reads the host state
-(checkpoints, master values, exports) calls it first (through
-``OptimizerOffload.arrays`` / ``master_values``). Loading state over the host
+calls it first: checkpoints, master values and exports (through
+``OptimizerOffload.arrays`` / ``master_values``), and ``optimizer.state_dict()``
+(a pre-hook). Reading ``optimizer.state`` directly sees the last synced values. Loading state over the host
 arrays drops the resident copies (:meth:`StreamedAdam.drop_resident`); the
 next update uploads them again. Numerics: the same kernel on the same values
 as the streamed path, so bit for bit the same results.
