@@ -113,10 +113,10 @@ def meta_words(meta: torch.Tensor) -> torch.Tensor | None:
     """Plain 2:4 metadata ``(N, K/8)`` uint8 as int32 words (8 blocks each, block ``j`` at bits ``4j``, the byte
     order being little-endian), or ``None`` where the rows cannot be viewed so (``K`` not a multiple of 32, rows
     not contiguous or not 4-byte aligned)."""
-    if (meta.dim() != 2 or meta.dtype != torch.uint8 or meta.shape[1] % 4 or meta.stride(-1) != 1
-            or meta.stride(0) % 4 or meta.storage_offset() % 4):
+    if meta.dim() != 2 or meta.dtype != torch.uint8 or meta.shape[1] % 4 or not meta.is_contiguous() \
+            or meta.storage_offset() % 4:
         return None
-    return meta.view(torch.int32) if meta.is_contiguous() else None
+    return meta.view(torch.int32)
 
 
 def plane_major(x: torch.Tensor, cpw: int) -> torch.Tensor:
