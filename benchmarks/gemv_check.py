@@ -1,9 +1,10 @@
-"""The two GEMV kernels of the ``gemv`` path side by side at a few rows: tile vs x-stationary.
+"""The GEMV kernels of the ``gemv`` path side by side at a few rows: tile, x-stationary, x-stationary + TMA.
 
-    python benchmarks/gemv_check.py [--ms 1 4] [--shapes 8192x8192 8192x28672 28672x8192] [--json F]
+    python benchmarks/gemv_check.py [--ms 1 4] [--shapes 8192x8192 8192x28672 28672x8192] [--formats w4 w8 s24]
+                                    [--kinds tile stationary tma] [--json F]
 
 For each shape (K x N), format (INT4 g128 with zero points, INT8, plain 2:4 by magnitude) and row count:
-checks both kernels against the reference, tunes each over its own candidates ([Note: kernel tuning] in
+checks each kernel against the reference, tunes each over its own candidates ([Note: kernel tuning] in
 kernels/_word.py), and prints the best time of each beside cuBLAS bf16 in the same process, as speed-ups over
 bf16 (CUDA graphs, L2 flushed before each call: kernels/_runtime.py graph_time_ms).
 """
@@ -27,11 +28,24 @@ def _shape(text: str) -> tuple[int, int]:
     return int(k), int(n)
 
 
+def _time_each(cands, launch) -> list[tuple[float, int]]:
+    """(ms, index) of every candidate the compiler accepts, as the tuner times them."""
+    out = []
+    for i, c in enumerate(cands):
+        try:
+            out.append((graph_time_ms(lambda c=c: launch(c), reps=10, trials=3), i))
+        except Exception as e:  # noqa: BLE001  (out of shared memory or registers)
+            if "out of resource" not in str(e).lower() and "OutOfResources" not in type(e).__name__:
+                raise
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ms", type=int, nargs="*", default=[1, 4])
     p.add_argument("--shapes", type=_shape, nargs="*", default=[(8192, 8192), (8192, 28672), (28672, 8192)])
     p.add_argument("--formats", nargs="*", default=["w4", "w8"], choices=["w4", "w8", "s24"])
+    p.add_argument("--kinds", nargs="*", default=["tile", "stationary", "tma"], choices=["tile", "stationary", "tma"])
     p.add_argument("--json")
     args = p.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
@@ -59,9 +73,13 @@ def main() -> None:
                 base = graph_time_ms(lambda: F.linear(x, w))
                 ref = ref_fn(x).float()
                 row = {"k": k, "n": n, "format": fmt, "m": m, "bf16_us": base * 1e3}
+                stationary = _word.stationary_candidates(f, m, n, words.shape[1], group, x.device)
                 kinds = {"tile": _word.gemv_candidates(f, m, n, words.shape[1], group, x.device),
-                         "stationary": _word.stationary_candidates(f, m, n, words.shape[1], group, x.device)}
+                         "stationary": [c for c in stationary if not c.tma],
+                         "tma": [c for c in stationary if c.tma]}  # [Note: TMA weight stream]
                 for kind, cands in kinds.items():
+                    if not cands or kind not in args.kinds:
+                        continue
                     def launch(c):
                         if c.row_blocks:
                             return _word.run_stationary(x, words, s, z, c, fmt=f, group=group, n=n, meta=meta)
@@ -71,8 +89,10 @@ def main() -> None:
                         return _word.run_gemv(x, words, s, z, meta, fmt=f, group=group, n=n, k=k)
                     err = max(((launch(c).float() - ref).abs().max() / ref.abs().max()).item() for c in cands[:2])
                     start = time.perf_counter()
-                    best = _word._fastest(cands, launch)
+                    timed = sorted(_time_each(cands, launch))
+                    best = cands[timed[0][1]]
                     tuning = time.perf_counter() - start
+                    row[f"{kind}_runners_up"] = [(round(t * 1e3, 1), str(cands[i])) for t, i in timed[1:4]]
                     ms = graph_time_ms(lambda: launch(best))
                     err = max(err, ((launch(best).float() - ref).abs().max() / ref.abs().max()).item())
                     row[f"{kind}_us"] = ms * 1e3

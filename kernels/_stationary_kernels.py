@@ -38,6 +38,21 @@ Both factors are powers of two, so nothing is rounded that the plain product
 would not round; the range is what the scaling costs: ``|x|`` must stay below
 ``2^35`` and a dot product below ``2^-70`` loses bits as a subnormal. The GPU
 keeps subnormals in fp32 FMA (Triton emits no ``.ftz``) at full rate.
+
+[Note: TMA weight stream] The register prefetch keeps one block per program in
+flight, so the bytes in flight per SM are (programs per SM) x (block bytes), both
+capped by registers; under full load the memory latency grows past what that
+covers, and the kernel ran at ~70 % of what a kernel that only loads the same
+blocks reaches. ``stationary_tma_kernel`` has the tensor memory accelerator copy
+each block into shared memory instead: Triton's loop pipeliner
+(``tl.range(..., num_stages=STAGES)``) keeps ``STAGES - 1`` blocks in flight per
+program in shared memory, which costs no registers, and the threads read a block
+from shared memory when it is due. The copy also zero-fills rows past ``N`` and
+words past ``KW``, so it needs no masks. Scales and zero points (a few bytes a
+row) keep the register prefetch. The launcher builds the descriptor on the host
+(the words viewed as ``(N, KW / WG, WG)``), which needs rows whose byte stride is a
+multiple of 16 (TMA's rule). The tuner offers it for INT4, beside the other two
+kernels; INT8 runs it correctly but was never faster than its register kernel.
 """
 from __future__ import annotations
 
@@ -71,15 +86,11 @@ def _program_slice(x_ptr, stride_xm, KW, G: tl.constexpr, WG: tl.constexpr):
 
 
 @triton.jit
-def _load_block(w_ptr, s_ptr, z_ptr, rows, N, word, live, pid_k, KW, stride_wn, stride_sn, FMT: tl.constexpr,
-                HAS_ZEROS: tl.constexpr, G: tl.constexpr, WG: tl.constexpr, EVEN: tl.constexpr):
-    """Words ``(BN, G, WG)`` of weight rows ``rows`` in this slice, their scales and zero points ``(BN, G)``
-    (INT8: scales ``(BN,)``, no zero points); rows from ``N`` on read nothing."""
+def _load_scales(s_ptr, z_ptr, rows, N, pid_k, KW, stride_sn, FMT: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                 G: tl.constexpr, WG: tl.constexpr):
+    """Scales and zero points ``(BN, G)`` of weight rows ``rows`` in this slice (INT8: scales ``(BN,)``, no zero
+    points; without zero points the scales stand in); rows from ``N`` on read nothing."""
     rmask = rows < N
-    if EVEN:
-        w = tl.load(w_ptr + rows[:, None, None] * stride_wn + word, mask=rmask[:, None, None], other=0)
-    else:
-        w = tl.load(w_ptr + rows[:, None, None] * stride_wn + word, mask=rmask[:, None, None] & live, other=0)
     if FMT == 1:
         gcol = pid_k * G + tl.arange(0, G)
         sptr = rows[:, None] * stride_sn + gcol[None, :]
@@ -92,7 +103,102 @@ def _load_block(w_ptr, s_ptr, z_ptr, rows, N, word, live, pid_k, KW, stride_wn, 
     else:
         s = tl.load(s_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
         z = s
+    return s, z
+
+
+@triton.jit
+def _load_block(w_ptr, s_ptr, z_ptr, rows, N, word, live, pid_k, KW, stride_wn, stride_sn, FMT: tl.constexpr,
+                HAS_ZEROS: tl.constexpr, G: tl.constexpr, WG: tl.constexpr, EVEN: tl.constexpr):
+    """Words ``(BN, G, WG)`` of weight rows ``rows`` in this slice, and their scales and zero points."""
+    rmask = rows < N
+    if EVEN:
+        w = tl.load(w_ptr + rows[:, None, None] * stride_wn + word, mask=rmask[:, None, None], other=0)
+    else:
+        w = tl.load(w_ptr + rows[:, None, None] * stride_wn + word, mask=rmask[:, None, None] & live, other=0)
+    s, z = _load_scales(s_ptr, z_ptr, rows, N, pid_k, KW, stride_sn, FMT, HAS_ZEROS, G, WG)
     return w, s, z
+
+
+@triton.jit
+def _x_planes4(x_row, word, live):
+    """INT4: the slice's 8 planes of ``x`` (field ``j`` of every word), scaled for codes masked in place, and the
+    per-group sums of ``x`` ``(1, G)`` for the zero points."""
+    x0 = _x_plane(x_row, word, live, 8, 0, 0)
+    x1 = _x_plane(x_row, word, live, 8, 1, 4)
+    x2 = _x_plane(x_row, word, live, 8, 2, 8)
+    x3 = _x_plane(x_row, word, live, 8, 3, 12)
+    x4 = _x_plane(x_row, word, live, 8, 4, 16)  # field 4 masked in the word itself (bits 16-19), the rest
+    x5 = _x_plane(x_row, word, live, 8, 5, 4)  # in its upper half
+    x6 = _x_plane(x_row, word, live, 8, 6, 8)
+    x7 = _x_plane(x_row, word, live, 8, 7, 12)
+    # sum((q - z) x) = sum(q x) - z sum(x), per group (symmetric: z = 8)
+    x_sum = tl.sum(x0 + 65536.0 * x4 + 16.0 * (x1 + x5) + 256.0 * (x2 + x6) + 4096.0 * (x3 + x7),
+                   axis=2) * 2.0 ** -93
+    return x0, x1, x2, x3, x4, x5, x6, x7, x_sum
+
+
+@triton.jit
+def _x_planes8(x_row, word, live):
+    """INT8: the slice's 4 planes of ``x`` and its sum ``(1,)`` (codes are read as ``q + 128``)."""
+    x0 = _x_plane(x_row, word, live, 4, 0, 0)
+    x1 = _x_plane(x_row, word, live, 4, 1, 8)
+    x2 = _x_plane(x_row, word, live, 4, 2, 0)
+    x3 = _x_plane(x_row, word, live, 4, 3, 8)
+    x_sum = tl.sum(tl.sum(x0 + x2 + 256.0 * (x1 + x3), axis=2), axis=1) * 2.0 ** -93  # (1,): q = u - 128
+    return x0, x1, x2, x3, x_sum
+
+
+@triton.jit
+def _rows_w4(w, x0, x1, x2, x3, x4, x5, x6, x7, x_sum, s, z, HAS_ZEROS: tl.constexpr):
+    """INT4: a block's row sums ``(BN,)``, each group's sum scaled after its zero point comes off."""
+    hi = w >> 16
+    t = _plane(0.0, w, x0, 0, 4)  # one chain of multiply-adds per word
+    t = _plane(t, w, x1, 4, 4)
+    t = _plane(t, w, x2, 8, 4)
+    t = _plane(t, w, x3, 12, 4)
+    t = _plane(t, w, x4, 16, 4)  # bits 16-19 are still mantissa: one LOP3, where (w >> 16) & 0xF cost a shift
+    t = _plane(t, hi, x5, 4, 4)  # and a bit-field extract
+    t = _plane(t, hi, x6, 8, 4)
+    t = _plane(t, hi, x7, 12, 4)
+    tg = tl.sum(t, axis=2) * 2.0 ** 56  # (BN, G)
+    if HAS_ZEROS:
+        tg = tg - z * x_sum
+    else:
+        tg = tg - 8.0 * x_sum
+    return tl.sum(tg * s, axis=1)
+
+
+@triton.jit
+def _rows_w8(w, x0, x1, x2, x3, x_sum, s):
+    """INT8: a block's row sums ``(BN,)`` (signed bytes read as ``q + 128``, the 128 taken off through the sum)."""
+    u = w ^ -2139062144  # 0x80808080: signed bytes to q + 128
+    hi = u >> 16
+    t = _plane(0.0, u, x0, 0, 8)
+    t = _plane(t, u, x1, 8, 8)
+    t = _plane(t, hi, x2, 0, 8)
+    t = _plane(t, hi, x3, 8, 8)
+    return (tl.sum(tl.sum(t, axis=2), axis=1) * 2.0 ** 56 - 128.0 * x_sum) * s
+
+
+@triton.jit
+def _x_slice(x_row, word, live, FMT: tl.constexpr):
+    """The slice's planes of ``x`` and its sums: INT4's 8 planes, or INT8's 4 given twice (the last four unused)."""
+    if FMT == 1:
+        x0, x1, x2, x3, x4, x5, x6, x7, x_sum = _x_planes4(x_row, word, live)
+    else:
+        x0, x1, x2, x3, x_sum = _x_planes8(x_row, word, live)
+        x4, x5, x6, x7 = x0, x1, x2, x3
+    return x0, x1, x2, x3, x4, x5, x6, x7, x_sum  # (one return: Triton wants one type per function)
+
+
+@triton.jit
+def _block_sums(w, x0, x1, x2, x3, x4, x5, x6, x7, x_sum, s, z, FMT: tl.constexpr, HAS_ZEROS: tl.constexpr):
+    """A block's row sums ``(BN,)`` in either format."""
+    if FMT == 1:
+        part = _rows_w4(w, x0, x1, x2, x3, x4, x5, x6, x7, x_sum, s, z, HAS_ZEROS)
+    else:
+        part = _rows_w8(w, x0, x1, x2, x3, x_sum, s)
+    return part
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT"])
@@ -107,23 +213,7 @@ def stationary_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_
     INT8 (FMT 0): a slice is ``WG`` words (4 codes each, ``G`` = 1); one scale per output row. ``EVEN``: every
     slice is whole (``KW`` a multiple of ``G * WG``), so word loads need no per-column mask."""
     pid_m, pid_k, pid_r, word, live, x_row = _program_slice(x_ptr, stride_xm, KW, G, WG)
-    if FMT == 1:
-        x0 = _x_plane(x_row, word, live, 8, 0, 0)
-        x1 = _x_plane(x_row, word, live, 8, 1, 4)
-        x2 = _x_plane(x_row, word, live, 8, 2, 8)
-        x3 = _x_plane(x_row, word, live, 8, 3, 12)
-        x4 = _x_plane(x_row, word, live, 8, 4, 0)
-        x5 = _x_plane(x_row, word, live, 8, 5, 4)
-        x6 = _x_plane(x_row, word, live, 8, 6, 8)
-        x7 = _x_plane(x_row, word, live, 8, 7, 12)
-        # sum((q - z) x) = sum(q x) - z sum(x), per group (symmetric: z = 8)
-        x_sum = tl.sum(x0 + x4 + 16.0 * (x1 + x5) + 256.0 * (x2 + x6) + 4096.0 * (x3 + x7), axis=2) * 2.0 ** -93
-    else:
-        x0 = _x_plane(x_row, word, live, 4, 0, 0)
-        x1 = _x_plane(x_row, word, live, 4, 1, 8)
-        x2 = _x_plane(x_row, word, live, 4, 2, 0)
-        x3 = _x_plane(x_row, word, live, 4, 3, 8)
-        x_sum = tl.sum(tl.sum(x0 + x2 + 256.0 * (x1 + x3), axis=2), axis=1) * 2.0 ** -93  # (1,): q = u - 128
+    x0, x1, x2, x3, x4, x5, x6, x7, x_sum = _x_slice(x_row, word, live, FMT)
     n1 = tl.arange(0, BLOCK_N)
     row0 = pid_r * (BLOCK_N * ROW_BLOCKS)
     # [Note: register prefetch] in _word_kernels: block b + 1's words, scales and zero points are in flight
@@ -149,30 +239,35 @@ def stationary_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_
         else:
             w_next, s_next, z_next = _load_block(w_ptr, s_ptr, z_ptr, nxt, N, word, live, pid_k, KW, stride_wn,
                                                  stride_sn, FMT, HAS_ZEROS, G, WG, EVEN)
-        if FMT == 1:
-            hi = w >> 16
-            t = _plane(0.0, w, x0, 0, 4)  # one chain of multiply-adds per word
-            t = _plane(t, w, x1, 4, 4)
-            t = _plane(t, w, x2, 8, 4)
-            t = _plane(t, w, x3, 12, 4)
-            t = _plane(t, hi, x4, 0, 4)
-            t = _plane(t, hi, x5, 4, 4)
-            t = _plane(t, hi, x6, 8, 4)
-            t = _plane(t, hi, x7, 12, 4)
-            tg = tl.sum(t, axis=2) * 2.0 ** 56  # (BN, G)
-            if HAS_ZEROS:
-                tg = tg - z * x_sum
-            else:
-                tg = tg - 8.0 * x_sum
-            part = tl.sum(tg * s, axis=1)
-        else:
-            u = w ^ -2139062144  # 0x80808080: signed bytes to q + 128
-            hi = u >> 16
-            t = _plane(0.0, u, x0, 0, 8)
-            t = _plane(t, u, x1, 8, 8)
-            t = _plane(t, hi, x2, 0, 8)
-            t = _plane(t, hi, x3, 8, 8)
-            part = (tl.sum(tl.sum(t, axis=2), axis=1) * 2.0 ** 56 - 128.0 * x_sum) * s
+        part = _block_sums(w, x0, x1, x2, x3, x4, x5, x6, x7, x_sum, s, z, FMT, HAS_ZEROS)
+        _store_rows(part, out_ptr, part_ptr, pid_m, pid_k, rows, rmask, N, SPLIT, stride_om, PARTIAL)
+    if PARTIAL:
+        _finish(part_ptr, count_ptr, out_ptr, pid_m, pid_r, row0, N, SPLIT, stride_om, BLOCK_N * ROW_BLOCKS, FIX_K)
+
+
+@triton.jit(do_not_specialize=["M", "SPLIT"])
+def stationary_tma_kernel(x_ptr, w_desc, s_ptr, z_ptr, part_ptr, count_ptr, out_ptr, M, N, KW, SPLIT,
+                          stride_xm, stride_sn, stride_om,
+                          FMT: tl.constexpr, HAS_ZEROS: tl.constexpr, G: tl.constexpr, WG: tl.constexpr,
+                          BLOCK_N: tl.constexpr, ROW_BLOCKS: tl.constexpr, PARTIAL: tl.constexpr,
+                          FIX_K: tl.constexpr, STAGES: tl.constexpr):
+    """``stationary_gemv_kernel`` with the weight words brought in by the tensor memory accelerator
+    ([Note: TMA weight stream]): ``w_desc`` describes the words as ``(N, KW / WG, WG)`` in blocks of
+    ``(BLOCK_N, G, WG)``; grid, workspace and results as there."""
+    pid_m, pid_k, pid_r, word, live, x_row = _program_slice(x_ptr, stride_xm, KW, G, WG)
+    x0, x1, x2, x3, x4, x5, x6, x7, x_sum = _x_slice(x_row, word, live, FMT)
+    n1 = tl.arange(0, BLOCK_N)
+    row0 = pid_r * (BLOCK_N * ROW_BLOCKS)
+    s_next, z_next = _load_scales(s_ptr, z_ptr, row0 + n1, N, pid_k, KW, stride_sn, FMT, HAS_ZEROS, G, WG)
+    for b in tl.range(ROW_BLOCKS, num_stages=STAGES):
+        s = s_next  # the scales in registers one block ahead, the words in STAGES - 1 shared-memory buffers
+        z = z_next
+        rows = row0 + b * BLOCK_N + n1
+        rmask = rows < N
+        s_next, z_next = _load_scales(s_ptr, z_ptr, tl.where(b + 1 < ROW_BLOCKS, rows + BLOCK_N, N), N, pid_k, KW,
+                                      stride_sn, FMT, HAS_ZEROS, G, WG)
+        w = w_desc.load([row0 + b * BLOCK_N, pid_k * G, 0])  # rows from N on and words from KW on read as 0
+        part = _block_sums(w, x0, x1, x2, x3, x4, x5, x6, x7, x_sum, s, z, FMT, HAS_ZEROS)
         _store_rows(part, out_ptr, part_ptr, pid_m, pid_k, rows, rmask, N, SPLIT, stride_om, PARTIAL)
     if PARTIAL:
         _finish(part_ptr, count_ptr, out_ptr, pid_m, pid_r, row0, N, SPLIT, stride_om, BLOCK_N * ROW_BLOCKS, FIX_K)
@@ -191,20 +286,30 @@ def _store_rows(part, out_ptr, part_ptr, pid_m, pid_k, rows, rmask, N, SPLIT, st
 def _finish(part_ptr, count_ptr, out_ptr, pid_m, pid_r, row0, N, SPLIT, stride_om, RUN: tl.constexpr,
             FIX_K: tl.constexpr):
     """After this program's partials are stored: count it done; the last slice of the run sums them in slice
-    order into the output and resets the counter ([Note: x-stationary GEMV])."""
+    order into the output and resets the counter ([Note: x-stationary GEMV]). The sum is the tail of the launch
+    (the last run's last program does it after everything else), so it loads two batches of ``FIX_K`` slices
+    before adding either: one L2 latency per two batches."""
     tl.debug_barrier()
     counter = count_ptr + pid_m * tl.num_programs(2) + pid_r
     done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if done == SPLIT - 1:
         run = row0 + tl.arange(0, RUN)
         total = tl.zeros((RUN,), tl.float32)
-        kc = tl.arange(0, FIX_K)  # FIX_K slices' partials per load, so their latencies overlap
-        for k0 in range(0, SPLIT, FIX_K):
-            ptrs = part_ptr + (pid_m * SPLIT + k0 + kc)[:, None] * N + run[None, :]
-            total += tl.sum(tl.load(ptrs, mask=(k0 + kc < SPLIT)[:, None] & (run < N)[None, :], other=0.0,
-                                    cache_modifier=".cg"), axis=0)
+        kc = tl.arange(0, FIX_K)
+        for k0 in range(0, SPLIT, 2 * FIX_K):
+            first = _partials(part_ptr, pid_m, SPLIT, N, k0 + kc, run)
+            second = _partials(part_ptr, pid_m, SPLIT, N, k0 + FIX_K + kc, run)
+            total += tl.sum(first, axis=0)
+            total += tl.sum(second, axis=0)
         tl.store(out_ptr + pid_m * stride_om + run, total.to(out_ptr.dtype.element_ty), mask=run < N)
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+@triton.jit
+def _partials(part_ptr, pid_m, SPLIT, N, slices, run):
+    """Partial sums ``(len(slices), RUN)`` of slices ``slices`` (zero past ``SPLIT``), read through L2."""
+    ptrs = part_ptr + (pid_m * SPLIT + slices)[:, None] * N + run[None, :]
+    return tl.load(ptrs, mask=(slices < SPLIT)[:, None] & (run < N)[None, :], other=0.0, cache_modifier=".cg")
 
 
 @triton.jit

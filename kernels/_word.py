@@ -11,7 +11,8 @@ Two paths, both for weights whose packed rows can be read as int32 words
   where it pays). For INT8, INT4, plain 2:4 and 2:4 + INT4, the x-stationary kernels
   (``_stationary_kernels``, [Note: x-stationary GEMV]): one program per (row of
   ``x``, slice of ``K``, run of weight rows), its slice of ``x`` held in registers
-  while weight rows stream past; slices meet in one launch.
+  while weight rows stream past; slices meet in one launch. For INT4 also with the
+  weight words copied by TMA ([Note: TMA weight stream]).
 - ``wdot`` (INT8 / INT4, more rows), on tensor cores, two kernels tuned against each
   other: ``tl.dot`` per field plane (``_word_kernels``), and one ``tl.dot`` of full depth
   per tile, either orientation (``_wmma_kernels``, [Note: full-depth wdot]).
@@ -65,6 +66,8 @@ class WordConfig:
     full_depth: bool = False  # wdot: one dot per tile ([Note: full-depth wdot] in _wmma_kernels), not per plane
     order: int = 0  # full_depth: the tile's column order ([Note: full-depth wdot]), 0 or 3 natural, 1 or 2 planes
     swap: bool = False  # full_depth: acc^T = w @ x^T, weight rows on the MMA's M side ([Note: swap-AB])
+    tma: bool = False  # x-stationary (INT4 tuned, INT8 runs): words through TMA, ``stages - 1`` blocks in flight
+    # in shared memory ([Note: TMA weight stream] in _stationary_kernels)
 
 
 @functools.cache
@@ -86,6 +89,23 @@ def _stationary_kernels():
     from . import _stationary_kernels
 
     return _stationary_kernels
+
+
+@functools.cache
+def tma_available() -> bool:
+    """Whether this Triton builds kernels from host tensor descriptors (``triton.tools.tensor_descriptor``)."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _tma_words(words: torch.Tensor, wg: int) -> bool:
+    """TMA's rules for the word view ``(N, KW / WG, WG)``: 16-byte aligned base and row stride, whole groups."""
+    kw = words.shape[1]
+    return (tma_available() and words.is_contiguous() and kw % wg == 0 and (kw * 4) % 16 == 0
+            and (wg * 4) % 16 == 0 and words.data_ptr() % 16 == 0)
 
 
 @functools.cache
@@ -190,6 +210,11 @@ STATIONARY_TILES = ((4, 32, 4), (8, 16, 4), (2, 64, 4), (4, 64, 8), (8, 32, 8), 
                     (8, 8, 4))  # (groups (INT4) or 16-word units (INT8) per slice, BLOCK_N, warps): the first five
 # give a thread 128 INT4 codes per block (~3.2 instructions per code in the SASS, against ~3.9 at 64 codes), the
 # last three 64; none leaves a thread repeating another's work
+TMA_TILES = ((4, 64, 4), (4, 32, 4), (2, 64, 4), (8, 32, 4))  # (groups per slice, BLOCK_N, warps) of the INT4
+# TMA kernel: an H100 chose the first at 8192x8192, 8192x28672 and 28672x8192 (session 10); INT8 gets none (its
+# register kernel was faster at every shape timed)
+TMA_RUNS = (4, 8, 16)  # row blocks per program
+TMA_STAGES = (3, 4)  # num_stages: 2 or 3 blocks in flight per program ([Note: TMA weight stream])
 STATIONARY_WORKSPACE = 1 << 22  # fp32 partial sums (16 MiB) per device; slices x rows x N must fit
 
 
@@ -224,6 +249,14 @@ def stationary_candidates(fmt: int, m: int, n: int, kw: int, group: int, device:
         out += [WordConfig(1, bn, bw, split, warps, row_blocks=r) for r in sorted({rb, min(32, 2 * rb)})]
         if rb > 2 and fmt in (FMT_W8, FMT_W4):  # blocks two ahead ([Note: register prefetch] in _word_kernels)
             out.append(WordConfig(1, bn, bw, split, warps, prefetch=2, row_blocks=rb))
+    if fmt == FMT_W4 and tma_available() and kw % wg == 0 and (kw * 4) % 16 == 0 and (wg * 4) % 16 == 0:
+        for units, bn, warps in TMA_TILES:
+            bw = units * wg
+            split = cdiv(kw, bw)
+            if bw >= 2 * kw or (split > 1 and m * split * n > STATIONARY_WORKSPACE):
+                continue
+            out += [WordConfig(1, bn, bw, split, warps, stages=st, row_blocks=rb, tma=True)
+                    for rb in TMA_RUNS if m * split * cdiv(n, bn * rb) >= sms for st in TMA_STAGES]
     return out
 
 
@@ -376,7 +409,7 @@ def run_stationary(x, words, s, z, c: WordConfig, *, fmt: int, group: int, n: in
     else:  # one slice: the kernel stores the output directly and touches neither
         partials, counters = out, words
     wg = c.block_w if fmt == FMT_W8 else group // CPW[fmt]  # words per group (INT8: per slice, one "group")
-    fix_k = max(1, min(8, 2048 // (c.block_n * c.row_blocks)))
+    fix_k = max(1, min(16, 4096 // (c.block_n * c.row_blocks)))  # the fix-up has 2 * fix_k slices in flight
     zz = z if z is not None else s
     if fmt == FMT_S24:
         mw = meta_words(meta)
@@ -393,11 +426,23 @@ def run_stationary(x, words, s, z, c: WordConfig, *, fmt: int, group: int, n: in
             HAS_ZEROS=z is not None, G=c.block_w // wg, WG=wg, BLOCK_N=c.block_n, ROW_BLOCKS=c.row_blocks,
             PARTIAL=c.split_k > 1, EVEN=kw % c.block_w == 0, FIX_K=fix_k, num_warps=c.warps)
         return out
-    _stationary_kernels().stationary_gemv_kernel[(m, c.split_k, runs)](
+    if c.tma and _tma_words(words, wg):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        desc = TensorDescriptor.from_tensor(words.view(n, kw // wg, wg), [c.block_n, c.block_w // wg, wg])
+        _stationary_kernels().stationary_tma_kernel[(m, c.split_k, runs)](
+            x, desc, s, zz, partials, counters, out, m, n, kw, c.split_k,
+            x.stride(0), s.stride(0) if s.dim() > 1 else 1, out.stride(0),
+            FMT=fmt, HAS_ZEROS=z is not None, G=c.block_w // wg, WG=wg, BLOCK_N=c.block_n, ROW_BLOCKS=c.row_blocks,
+            PARTIAL=c.split_k > 1, FIX_K=fix_k, STAGES=c.stages, num_warps=c.warps, num_stages=c.stages)
+        return out
+    _stationary_kernels().stationary_gemv_kernel[(m, c.split_k, runs)](  # (a TMA config on words TMA cannot
+        # read runs here with the same tile)
         x, words, s, zz, partials, counters, out, m, n, kw, c.split_k,
         x.stride(0), words.stride(0), s.stride(0) if s.dim() > 1 else 1, out.stride(0),
         FMT=fmt, HAS_ZEROS=z is not None, G=c.block_w // wg, WG=wg, BLOCK_N=c.block_n, ROW_BLOCKS=c.row_blocks,
-        PARTIAL=c.split_k > 1, EVEN=kw % c.block_w == 0, FIX_K=fix_k, DEPTH=c.prefetch, num_warps=c.warps)
+        PARTIAL=c.split_k > 1, EVEN=kw % c.block_w == 0, FIX_K=fix_k, DEPTH=1 if c.tma else c.prefetch,
+        num_warps=c.warps)
     return out
 
 
