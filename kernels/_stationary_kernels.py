@@ -414,26 +414,8 @@ def _load_s24(w_ptr, meta_ptr, rows, N, word, live, stride_wn, stride_mn, EVEN: 
     if not EVEN:
         rmask = rmask & live
     w = tl.load(w_ptr + rows[:, None, None] * stride_wn + word, mask=rmask, other=0)
-    return w, _load_meta(meta_ptr, rows, N, word, live, stride_mn)
-
-
-@triton.jit
-def _load_meta(meta_ptr, rows, N, word, live, stride_mn):
-    """Beside each value word ``(BN, G, 8)``, its unit's int32 metadata word; rows from ``N`` on read nothing."""
-    mask = (rows < N)[:, None, None] & live
-    return tl.load(meta_ptr + rows[:, None, None] * stride_mn + word // 8, mask=mask, other=0)
-
-
-@triton.jit
-def _s24_sums(w, meta, x0, x1, x2, x3):
-    """Plain 2:4: a block's row sums ``(BN,)``, each kept value times the column of ``x`` its position picks."""
-    nib = meta >> (4 * tl.arange(0, 8)[None, None, :])  # block j of a unit at bits 4j: bits 0-1 p0, bits 2-3 p1
-    # sorted positions, p0 <= 2 and p1 >= 1, so single bits choose: one bit test and one select each
-    xa = tl.where((nib & 2) != 0, x2, tl.where((nib & 1) != 0, x1, x0))
-    xb = tl.where((nib & 8) != 0, tl.where((nib & 4) != 0, x3, x2), x1)
-    t = tl.fma((w << 16).to(tl.float32, bitcast=True), xa, 0.0)
-    t = tl.fma((w & -65536).to(tl.float32, bitcast=True), xb, t)
-    return tl.sum(tl.sum(t, axis=2), axis=1)
+    meta = tl.load(meta_ptr + rows[:, None, None] * stride_mn + word // 8, mask=rmask, other=0)
+    return w, meta
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT"])
@@ -451,6 +433,7 @@ def stationary_s24_kernel(x_ptr, w_ptr, meta_ptr, part_ptr, count_ptr, out_ptr, 
     x1 = _x_cols(x_row, word, live, 1)
     x2 = _x_cols(x_row, word, live, 2)
     x3 = _x_cols(x_row, word, live, 3)
+    shift = 4 * tl.arange(0, 8)[None, None, :]  # block j of a unit at bits 4j
     n1 = tl.arange(0, BLOCK_N)
     row0 = pid_r * (BLOCK_N * ROW_BLOCKS)
     w_next, m_next = _load_s24(w_ptr, meta_ptr, row0 + n1, N, word, live, stride_wn, stride_mn, EVEN)
@@ -461,35 +444,13 @@ def stationary_s24_kernel(x_ptr, w_ptr, meta_ptr, part_ptr, count_ptr, out_ptr, 
         rmask = rows < N
         w_next, m_next = _load_s24(w_ptr, meta_ptr, tl.where(b + 1 < ROW_BLOCKS, rows + BLOCK_N, N), N, word, live,
                                    stride_wn, stride_mn, EVEN)
-        part = _s24_sums(w, meta, x0, x1, x2, x3)
-        _store_rows(part, out_ptr, part_ptr, pid_m, pid_k, rows, rmask, N, SPLIT, stride_om, PARTIAL)
-    if PARTIAL:
-        _finish(part_ptr, count_ptr, out_ptr, pid_m, pid_r, row0, N, SPLIT, stride_om, BLOCK_N * ROW_BLOCKS, FIX_K)
-
-
-@triton.jit(do_not_specialize=["M", "SPLIT"])
-def stationary_s24_tma_kernel(x_ptr, w_desc, meta_ptr, part_ptr, count_ptr, out_ptr, M, N, KW, SPLIT,
-                              stride_xm, stride_mn, stride_om,
-                              G: tl.constexpr, BLOCK_N: tl.constexpr, ROW_BLOCKS: tl.constexpr,
-                              PARTIAL: tl.constexpr, FIX_K: tl.constexpr, STAGES: tl.constexpr):
-    """``stationary_s24_kernel`` with the value words copied by TMA ([Note: TMA weight stream]): ``w_desc``
-    describes them as ``(N, KW / 8, 8)`` in blocks of ``(BLOCK_N, G, 8)``; the metadata words (an eighth of the
-    bytes) keep the register prefetch. Grid, workspace and results as there."""
-    pid_m, pid_k, pid_r, word, live, x_row = _program_slice(x_ptr, stride_xm, KW, G, 8)
-    x0 = _x_cols(x_row, word, live, 0)
-    x1 = _x_cols(x_row, word, live, 1)
-    x2 = _x_cols(x_row, word, live, 2)
-    x3 = _x_cols(x_row, word, live, 3)
-    n1 = tl.arange(0, BLOCK_N)
-    row0 = pid_r * (BLOCK_N * ROW_BLOCKS)
-    m_next = _load_meta(meta_ptr, row0 + n1, N, word, live, stride_mn)
-    for b in tl.range(ROW_BLOCKS, num_stages=STAGES):
-        meta = m_next
-        rows = row0 + b * BLOCK_N + n1
-        rmask = rows < N
-        m_next = _load_meta(meta_ptr, tl.where(b + 1 < ROW_BLOCKS, rows + BLOCK_N, N), N, word, live, stride_mn)
-        w = w_desc.load([row0 + b * BLOCK_N, pid_k * G, 0])  # rows from N on and words from KW on read as 0
-        part = _s24_sums(w, meta, x0, x1, x2, x3)
+        nib = meta >> shift  # (BN, G, 8): bits 0-1 p0, bits 2-3 p1 (higher bits are later blocks': not read)
+        # sorted positions, p0 <= 2 and p1 >= 1, so single bits choose: one bit test and one select each
+        xa = tl.where((nib & 2) != 0, x2, tl.where((nib & 1) != 0, x1, x0))
+        xb = tl.where((nib & 8) != 0, tl.where((nib & 4) != 0, x3, x2), x1)
+        t = tl.fma((w << 16).to(tl.float32, bitcast=True), xa, 0.0)
+        t = tl.fma((w & -65536).to(tl.float32, bitcast=True), xb, t)
+        part = tl.sum(tl.sum(t, axis=2), axis=1)
         _store_rows(part, out_ptr, part_ptr, pid_m, pid_k, rows, rmask, N, SPLIT, stride_om, PARTIAL)
     if PARTIAL:
         _finish(part_ptr, count_ptr, out_ptr, pid_m, pid_r, row0, N, SPLIT, stride_om, BLOCK_N * ROW_BLOCKS, FIX_K)

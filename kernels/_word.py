@@ -108,15 +108,6 @@ def _tma_words(words: torch.Tensor, wg: int) -> bool:
             and (wg * 4) % 16 == 0 and words.data_ptr() % 16 == 0)
 
 
-def _descriptor(words: torch.Tensor, wg: int, c: WordConfig):
-    """The TMA descriptor of ``words`` viewed as ``(N, KW / wg, wg)``, in blocks of a program's ``(BLOCK_N,
-    slice)``."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    n, kw = words.shape
-    return TensorDescriptor.from_tensor(words.view(n, kw // wg, wg), [c.block_n, c.block_w // wg, wg])
-
-
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -219,11 +210,9 @@ STATIONARY_TILES = ((4, 32, 4), (8, 16, 4), (2, 64, 4), (4, 64, 8), (8, 32, 8), 
                     (8, 8, 4))  # (groups (INT4) or 16-word units (INT8) per slice, BLOCK_N, warps): the first five
 # give a thread 128 INT4 codes per block (~3.2 instructions per code in the SASS, against ~3.9 at 64 codes), the
 # last three 64; none leaves a thread repeating another's work
-TMA_TILES = {FMT_W4: ((4, 64, 4), (4, 32, 4), (2, 64, 4), (8, 32, 4)),  # (groups of WG words per slice,
-             FMT_S24: ((8, 32, 4), (16, 16, 4), (4, 64, 4), (8, 16, 4), (8, 64, 8), (16, 32, 8))}  # BLOCK_N, warps)
-# per format of the TMA kernels (2:4: 8-word units; 32 words a thread took ~160 registers); an H100 chose INT4's
-# first at 8192x8192, 8192x28672 and 28672x8192 (session 10); INT8 gets none (its register kernel was faster at every
-# shape timed)
+TMA_TILES = ((4, 64, 4), (4, 32, 4), (2, 64, 4), (8, 32, 4))  # (groups per slice, BLOCK_N, warps) of the INT4
+# TMA kernel: an H100 chose the first at 8192x8192, 8192x28672 and 28672x8192 (session 10); INT8 gets none (its
+# register kernel was faster at every shape timed)
 TMA_RUNS = (4, 8, 16)  # row blocks per program
 TMA_STAGES = (3, 4)  # num_stages: 2 or 3 blocks in flight per program ([Note: TMA weight stream])
 STATIONARY_WORKSPACE = 1 << 22  # fp32 partial sums (16 MiB) per device; slices x rows x N must fit
@@ -260,10 +249,8 @@ def stationary_candidates(fmt: int, m: int, n: int, kw: int, group: int, device:
         out += [WordConfig(1, bn, bw, split, warps, row_blocks=r) for r in sorted({rb, min(32, 2 * rb)})]
         if rb > 2 and fmt in (FMT_W8, FMT_W4):  # blocks two ahead ([Note: register prefetch] in _word_kernels)
             out.append(WordConfig(1, bn, bw, split, warps, prefetch=2, row_blocks=rb))
-    if fmt == FMT_S24:
-        wg = 8  # a slice is units of 8 value words (one metadata word each)
-    if fmt in TMA_TILES and tma_available() and kw % wg == 0 and (kw * 4) % 16 == 0 and (wg * 4) % 16 == 0:
-        for units, bn, warps in TMA_TILES[fmt]:
+    if fmt == FMT_W4 and tma_available() and kw % wg == 0 and (kw * 4) % 16 == 0 and (wg * 4) % 16 == 0:
+        for units, bn, warps in TMA_TILES:
             bw = units * wg
             split = cdiv(kw, bw)
             if bw >= 2 * kw or (split > 1 and m * split * n > STATIONARY_WORKSPACE):
@@ -426,13 +413,6 @@ def run_stationary(x, words, s, z, c: WordConfig, *, fmt: int, group: int, n: in
     zz = z if z is not None else s
     if fmt == FMT_S24:
         mw = meta_words(meta)
-        if c.tma and _tma_words(words, 8):
-            _stationary_kernels().stationary_s24_tma_kernel[(m, c.split_k, runs)](
-                x, _descriptor(words, 8, c), mw, partials, counters, out, m, n, kw, c.split_k,
-                x.stride(0), mw.stride(0), out.stride(0), G=c.block_w // 8, BLOCK_N=c.block_n,
-                ROW_BLOCKS=c.row_blocks, PARTIAL=c.split_k > 1, FIX_K=fix_k, STAGES=c.stages, num_warps=c.warps,
-                num_stages=c.stages)
-            return out
         _stationary_kernels().stationary_s24_kernel[(m, c.split_k, runs)](
             x, words, mw, partials, counters, out, m, n, kw, c.split_k,
             x.stride(0), words.stride(0), mw.stride(0), out.stride(0),
@@ -447,8 +427,11 @@ def run_stationary(x, words, s, z, c: WordConfig, *, fmt: int, group: int, n: in
             PARTIAL=c.split_k > 1, EVEN=kw % c.block_w == 0, FIX_K=fix_k, num_warps=c.warps)
         return out
     if c.tma and _tma_words(words, wg):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        desc = TensorDescriptor.from_tensor(words.view(n, kw // wg, wg), [c.block_n, c.block_w // wg, wg])
         _stationary_kernels().stationary_tma_kernel[(m, c.split_k, runs)](
-            x, _descriptor(words, wg, c), s, zz, partials, counters, out, m, n, kw, c.split_k,
+            x, desc, s, zz, partials, counters, out, m, n, kw, c.split_k,
             x.stride(0), s.stride(0) if s.dim() > 1 else 1, out.stride(0),
             FMT=fmt, HAS_ZEROS=z is not None, G=c.block_w // wg, WG=wg, BLOCK_N=c.block_n, ROW_BLOCKS=c.row_blocks,
             PARTIAL=c.split_k > 1, FIX_K=fix_k, STAGES=c.stages, num_warps=c.warps, num_stages=c.stages)

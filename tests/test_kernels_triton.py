@@ -229,8 +229,7 @@ def test_stationary_gemv_matches_reference(fmt, m, n, k, group, sym, dtype):
 def test_stationary_sparse24_matches_reference(m, n, k, dtype):
     """The plain 2:4 x-stationary kernel ([Note: x-stationary GEMV]): each kept bf16 value picks its column of x by
     its position, read from int32 metadata words of 8 blocks; several slices with a partial last one (96 columns:
-    1.5 slices of 64), or one slice; run twice (the counters must be back at zero); and with the value words copied
-    by TMA, which zero-fills past the last word."""
+    1.5 slices of 64), or one slice; run twice (the counters must be back at zero)."""
     from zspeed.kernels import _word
 
     x, w = _inputs(m, n, k, dtype, seed=13)
@@ -241,13 +240,8 @@ def test_stationary_sparse24_matches_reference(m, n, k, dtype):
     (cfg,) = _word.stationary_candidates(_word.FMT_S24, m, n, words.shape[1], 1, x.device)
     assert cfg.split_k > 1
     one = dataclasses.replace(cfg, split_k=1, block_w=1 << (words.shape[1] - 1).bit_length())
-    tma = [dataclasses.replace(c, tma=True, stages=3) for c in (cfg, one)]  # [Note: TMA weight stream]
-    assert _word._tma_words(words, 8)
-    shifted = torch.empty(words.numel() + 1, dtype=torch.int32)[1:].view(words.shape)  # not 16-byte aligned:
-    shifted.copy_(words)  # the register kernel runs the TMA config's tile
-    for c, ws in ((cfg, words), (cfg, words), (one, words), (tma[0], words), (tma[0], words), (tma[1], words),
-                  (tma[0], shifted)):
-        out = _word.run_stationary(x, ws, None, None, c, fmt=_word.FMT_S24, group=1, n=n, meta=meta)
+    for c in (cfg, cfg, one):
+        out = _word.run_stationary(x, words, None, None, c, fmt=_word.FMT_S24, group=1, n=n, meta=meta)
         _close(out, ref, dtype)
     assert not _word._WORKSPACE[x.device][1].any(), "every counter back at zero"
     # K not a multiple of 32 (the metadata is read 4 bytes at a time): no x-stationary config, gemv still right
