@@ -60,6 +60,32 @@ def test_wdot_candidates_on_an_h100(monkeypatch, fmt):
                     assert -(-m // c.block_m) * -(-n // c.block_n) < 4 * 132
 
 
+def test_stationary_tma_candidates_on_an_h100(monkeypatch, tmp_path):
+    """INT4 gets TMA configs ([Note: TMA weight stream]) beside the register ones, each a whole number of groups
+    per slice with at least one program per SM; INT8 and plain 2:4 get none; a TMA config survives the tuning cache
+    and an entry written before the field existed is re-tuned."""
+    monkeypatch.setattr(_word, "interpreting", lambda: False)
+    monkeypatch.setattr(_word, "_sm_count", lambda index: 132)
+    gpu = torch.device("cuda", 0)
+    for n, k in ((8192, 8192), (28672, 8192), (8192, 28672), (4096, 14336)):
+        w4 = _word.stationary_candidates(_word.FMT_W4, 1, n, k // 8, 128, gpu)
+        tma = [c for c in w4 if c.tma]
+        assert bool(tma) == _word.tma_available() and len(tma) < len(w4), (n, k)
+        for c in tma:
+            assert c.block_w % 16 == 0 and c.stages in _word.TMA_STAGES and c.prefetch == 1
+            assert c.split_k * -(-n // (c.block_n * c.row_blocks)) >= 132
+        for fmt, group in ((_word.FMT_W8, 0), (_word.FMT_S24, 1)):
+            assert not any(c.tma for c in _word.stationary_candidates(fmt, 1, n, k // 4, group, gpu))
+    path = tmp_path / "gpu.json"
+    cfg = _word.WordConfig(1, 64, 64, 16, 4, 3, row_blocks=8, tma=True)
+    TuningCache(path).put(KEY, cfg)
+    assert TuningCache(path).get(KEY) == cfg
+    data = json.loads(path.read_text())
+    del data["entries"]["|".join(map(str, KEY))]["tma"]
+    path.write_text(json.dumps(data))
+    assert TuningCache(path).get(KEY) is None
+
+
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 999, "entries": {}}),
                                      json.dumps({"version": FORMAT_VERSION, "entries": {"|".join(map(str, KEY)):
                                                                                        {"block_n": 1, "bogus": 2}}})])
