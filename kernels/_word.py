@@ -436,8 +436,8 @@ def run_stationary(x, words, s, z, c: WordConfig, *, fmt: int, group: int, n: in
             FMT=fmt, HAS_ZEROS=z is not None, G=c.block_w // wg, WG=wg, BLOCK_N=c.block_n, ROW_BLOCKS=c.row_blocks,
             PARTIAL=c.split_k > 1, FIX_K=fix_k, STAGES=c.stages, num_warps=c.warps, num_stages=c.stages)
         return out
-    _stationary_kernels().stationary_gemv_kernel[(m, c.split_k, runs)](  # (a TMA config on words TMA cannot
-        # read runs here with the same tile)
+    # (a TMA config on words that TMA cannot read runs here, with the same tile)
+    _stationary_kernels().stationary_gemv_kernel[(m, c.split_k, runs)](
         x, words, s, zz, partials, counters, out, m, n, kw, c.split_k,
         x.stride(0), words.stride(0), s.stride(0) if s.dim() > 1 else 1, out.stride(0),
         FMT=fmt, HAS_ZEROS=z is not None, G=c.block_w // wg, WG=wg, BLOCK_N=c.block_n, ROW_BLOCKS=c.row_blocks,

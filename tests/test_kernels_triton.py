@@ -206,11 +206,12 @@ def test_stationary_gemv_matches_reference(fmt, m, n, k, group, sym, dtype):
     assert (cfg.split_k > 1) == (k > 128), cfg
     deep = dataclasses.replace(cfg, prefetch=2, row_blocks=4)  # two blocks in flight, runs of 16 rows
     tma = dataclasses.replace(cfg, tma=True, stages=3, row_blocks=4)  # [Note: TMA weight stream]
-    # a Triton without host tensor descriptors runs TMA configs through the register kernel (and tunes none)
-    assert _word._tma_words(words, group // 8 if fmt == "w4" else 16) == _word.tma_available()
+    wg = group // 8 if fmt == "w4" else cfg.block_w  # the launcher's words per group (INT8: per slice)
+    if fmt == "w4":  # the TMA kernel runs (a Triton without host tensor descriptors runs the register kernel)
+        assert _word._tma_words(words, wg) == _word.tma_available()
     shifted = torch.empty(words.numel() + 1, dtype=torch.int32)[1:].view(words.shape)  # 4-byte aligned only:
     shifted.copy_(words)  # TMA cannot read it, so the same tile runs through the register kernel
-    assert not _word._tma_words(shifted, group // 8 if fmt == "w4" else 16)
+    assert not _word._tma_words(shifted, wg)
     for c, ws in ((cfg, words), (cfg, words), (deep, words), (tma, words), (tma, words), (tma, shifted)):
         out = _word.run_stationary(x, ws, s, z, c, fmt=f, group=group, n=n)
         _close(out, ref, dtype)
