@@ -25,9 +25,11 @@ from .storage import CompressedFormatError, load_compressed, read_metadata, save
 from .transform import quantize_model, select_linears, sparsify_model
 
 __all__ = [
-    "DEFAULT_EXCLUDE", "METHODS", "GPTQConfig", "MagnitudeConfig", "NF4Config", "RTNConfig", "WandaConfig", "make_config",
+    "DEFAULT_EXCLUDE", "METHODS", "GPTQConfig", "MagnitudeConfig", "NF4Config", "RTNConfig", "WandaConfig",
+    "make_config",
     "Int4Weight", "Int8Weight", "quantize_int4", "quantize_int8", "gptq_quantize",
-    "QuantLinear", "SparseLinear", "NF4Linear", "NF4Weight", "nf4_table", "quantize_nf4", "NMWeight", "compress_nm", "nm_mask", "prune_nm",
+    "QuantLinear", "SparseLinear", "NF4Linear", "NF4Weight", "nf4_table", "quantize_nf4", "NMWeight", "compress_nm",
+    "nm_mask", "prune_nm",
     "pack_bits", "unpack_bits", "CompressedFormatError", "load_compressed", "read_metadata", "save_compressed",
     "quantize_model", "select_linears", "sparsify_model",
 ]

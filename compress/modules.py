@@ -201,7 +201,8 @@ class NF4Linear(nn.Module):
         super().__init__()
         check_nf4_shape(in_features, blocksize)
         if compute_dtype is not None and compute_dtype not in SCALE_DTYPES:
-            raise ValueError(f"NF4Linear: compute_dtype={compute_dtype!r} is invalid; use None or {sorted(SCALE_DTYPES)}")
+            raise ValueError(f"NF4Linear: compute_dtype={compute_dtype!r} is invalid; "
+                             f"use None or {sorted(SCALE_DTYPES)}")
         self.in_features, self.out_features = in_features, out_features
         self.blocksize, self.compute_dtype = blocksize, compute_dtype
         numel = in_features * out_features

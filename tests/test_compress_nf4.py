@@ -155,7 +155,8 @@ def test_save_load_identical_outputs(tmp_path, dense_and_nf4):
     assert spec["format"] == "nf4" and spec["blocksize"] == 64 and spec["quant_type"] == "nf4"
     assert read_metadata(tmp_path)["method"]["name"] == "nf4"
     with safe_open(str(tmp_path / TENSOR_FILE), framework="pt") as f:
-        qw, am = f.get_tensor("model.layers.1.self_attn.q_proj.qweight"), f.get_tensor("model.layers.1.self_attn.q_proj.absmax")
+        qw = f.get_tensor("model.layers.1.self_attn.q_proj.qweight")
+        am = f.get_tensor("model.layers.1.self_attn.q_proj.absmax")
     assert qw.dtype == torch.uint8 and qw.shape == (128 * 128 // 2,)
     assert am.dtype == torch.float32 and am.shape == (128 * 128 // 64,)
 

@@ -128,7 +128,8 @@ def test_initialize_like_deepspeed():
         assert client["diff"] < 1e-5, f"client optimizer run differs from the reference by {client['diff']}"
 
 
-@pytest.mark.parametrize("cls,fused", [(torch.optim.AdamW, False), (torch.optim.AdamW, True), (torch.optim.Adam, False)])
+@pytest.mark.parametrize("cls,fused", [(torch.optim.AdamW, False), (torch.optim.AdamW, True),
+                                       (torch.optim.Adam, False)])
 def test_flat_adam_state_is_bit_exact_and_one_buffer_per_moment(cls, fused):
     from zspeed.train.optim_factory import flat_adam_state
 

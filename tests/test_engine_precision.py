@@ -4,7 +4,8 @@ import math
 import torch
 
 from tests.dist_utils import run_distributed
-from tests.engine_cases import TOLERANCE, Case, build_engine, cached_reference, compare, loss_of, micro_batch, run_engine
+from tests.engine_cases import (TOLERANCE, Case, build_engine, cached_reference, compare, loss_of, micro_batch,
+                                run_engine)
 
 WORLD = 2
 

@@ -50,12 +50,14 @@ def test_bad_input_is_refused_before_any_work(tmp_path, data, capsys, monkeypatc
     out = tmp_path / "out"
     args = ["--model", "tiny-llama", "--data", data, "--out", out, "--max-steps", "2"]
     expect = {
-        "missing-data": (lambda: args.__setitem__(3, tmp_path / "nope.jsonl"), r"data path .*nope\.jsonl does not exist"),
+        "missing-data": (lambda: args.__setitem__(3, tmp_path / "nope.jsonl"),
+                         r"data path .*nope\.jsonl does not exist"),
         "malformed-jsonl": (lambda: data.write_text('{"text": "a"}\n{"text": \n'), r"data\.jsonl:2: invalid JSON"),
         "empty-data": (lambda: data.write_text(""), r"data file .*data\.jsonl is empty"),
         "seq-too-long": (lambda: args.extend(["--seq-len", "4096"]),
                          r"sequence length 4096 is longer than tiny-llama allows \(max_position_embeddings = 1024\)"),
-        "unwritable-out": (lambda: ((tmp_path / "afile").write_text("x"), args.__setitem__(5, tmp_path / "afile" / "o")),
+        "unwritable-out": (lambda: ((tmp_path / "afile").write_text("x"),
+                                    args.__setitem__(5, tmp_path / "afile" / "o")),
                            r"output folder .*afile/o is not writable"),
         "nvme-no-path": (lambda: args.extend(["--offload", "nvme"]), "--offload nvme needs --nvme-path"),
         "config-conflict": (lambda: args.extend(["--zero-stage", "2", "--config", bad_config(

@@ -1,4 +1,5 @@
-"""ztrain --lora-r: only the adapters train (every ZeRO stage, 1 and 2 ranks), export merges them, resume checks them."""
+"""ztrain --lora-r: only the adapters train (every ZeRO stage, 1 and 2 ranks), export merges them, resume checks
+them."""
 from __future__ import annotations
 
 import os

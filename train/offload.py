@@ -276,7 +276,8 @@ class OptimizerOffload:
         self._scratch = Scratch()  # the worker's fp32 gradient buffer (see [Note: the chunked host update])
         # [Note: the streamed device update]: made by bind() when config.device_share asks for it.
         self.streamed: StreamedAdam | None = None
-        self._unpublished: dict[int, _Host] = {}  # updated, not yet on the device ([Note: overlapping the next forward])
+        # updated, not yet on the device ([Note: overlapping the next forward])
+        self._unpublished: dict[int, _Host] = {}
         self.overlap_forward = config.overlap_forward
         # The order updates are started in: ``self.order``, or with overlap_forward the order the last forward
         # published the groups in (``_published``, in the making), so the first needed is the first updated.
@@ -867,7 +868,8 @@ class OffloadStepper:
 
     def __init__(self, *, offload: OptimizerOffload, optimizer: torch.optim.Optimizer, topo: Topology,
                  scaler: LossScaler | None = None, clip_norm: float = 0.0):
-        self.offload, self.optimizer, self.topo, self.scaler, self.clip_norm = offload, optimizer, topo, scaler, clip_norm
+        self.offload, self.optimizer, self.topo = offload, optimizer, topo
+        self.scaler, self.clip_norm = scaler, clip_norm
         self.delayed_update = offload.config.delayed_update  # see [Note: delayed parameter update]
         self.steps = 0
         offload.bind(optimizer)
