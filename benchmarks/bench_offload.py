@@ -98,6 +98,8 @@ def build_capacity(system: str, cfg_model, ds: dict):
 def run_capacity_one(args) -> None:
     import torch
     torch.cuda.set_device(0)
+    if args.memory_report:  # every CUDA allocation from before the build (bench_train.memory_report)
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000)
     hidden, layers, heads, kv, ffn, vocab = SIZES[args.size]
     ns = argparse.Namespace(hidden=hidden, layers=layers, heads=heads, kv_heads=kv, ffn=ffn, vocab=vocab,
                             seq=args.seq)
@@ -122,6 +124,12 @@ def run_capacity_one(args) -> None:
         n_params = hidden * vocab * 2 + layers * (4 * hidden * hidden * (1 + kv / heads) / 2 + 3 * hidden * ffn)
         row.update(ok=True, params_b=round(n_params / 1e9, 2), tokens_per_s=args.seq / dt, step_s=dt,
                    peak_gib=torch.cuda.max_memory_allocated() / 2 ** 30, first_loss=losses[0], last_loss=losses[-1])
+        if args.memory_report:  # the blocks alive at the peak, by allocation site (no raw snapshot: too large)
+            stem = Path(args.memory_report) / f"{args.size}-{args.system}"
+            report = bench_train.memory_report(torch, torch.device("cuda", 0), stem)
+            row["memory_report"] = {"peak_bytes_traced": report["peak_bytes_traced"],
+                                    "alive_at_peak_by_site": report["alive_at_peak_by_site"][:16]}
+            row["timing_note"] = "memory history recorded: tokens/s not comparable"
     except Exception as e:  # an OOM (GPU or host) is a result here, not a failure of the benchmark
         row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
     row["host_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
@@ -136,6 +144,8 @@ def capacity_driver(args) -> list[dict]:
                    str(29600 + len(rows)), __file__, "--capacity-one", "--size", size, "--system", system,
                    "--seq", str(args.seq), "--warmup", str(args.warmup), "--steps", str(args.steps),
                    "--device-share", str(args.device_share)]
+            if args.memory_report:
+                cmd += ["--memory-report", args.memory_report]
             t0 = time.time()
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -210,6 +220,8 @@ def main() -> None:
     ap.add_argument("--size", choices=sorted(SIZES))
     ap.add_argument("--system", type=_capacity_system)
     ap.add_argument("--device-share", type=float, default=0.75, help="-devfwd systems: offload_optimizer.device_share")
+    ap.add_argument("--memory-report", metavar="DIR", help="capacity: record every CUDA allocation and write what is "
+                    "alive at the peak, by allocation site, to DIR/<size>-<system>.json (slows the run)")
     args = ap.parse_args()
     if args.capacity_one:
         run_capacity_one(args)

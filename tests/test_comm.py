@@ -106,6 +106,39 @@ def test_reduce_scatter_matches_reference(world):
     assert all(run_distributed(_reduce_cases, world))
 
 
+@pytest.mark.parametrize("grad_dtype,reduce_dtype,shard_dtype", [
+    (torch.bfloat16, torch.float32, torch.bfloat16), (torch.float16, torch.float32, torch.float32),
+    (torch.float32, None, torch.bfloat16), (torch.float32, torch.bfloat16, torch.float32),
+    (torch.bfloat16, torch.float16, torch.bfloat16)])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_reduce_scatter_over_one_rank_is_bit_exact(grad_dtype, reduce_dtype, shard_dtype, accumulate, monkeypatch):
+    """[Note: one rank]: the shortcut gives, bit for bit, what the general path computes (forced by reporting a
+    world of two to the shortcut's test); reduce dtypes that round the gradients (bf16 for fp32 gradients, fp16
+    for bf16 ones) still round them."""
+    import zspeed.core.comm as comm_mod
+    from zspeed.core.topology import Topology
+
+    topo = Topology.single()
+    g = torch.Generator().manual_seed(5)
+    grads = [(torch.randn(s, generator=g) * 300).to(grad_dtype) for s in [(7, 3), (129,), (40, 4)]]
+    for bucket_bytes in BUCKETS:
+        group = FlatPartition.build(grads, world_size=1, bucket_bytes=bucket_bytes).groups[grad_dtype]
+        start = torch.randn(group.shard_numel, generator=g).to(shard_dtype)
+        outs = []
+        for shortcut in (True, False):
+            if not shortcut:
+                monkeypatch.setattr(comm_mod, "_exact_in", lambda *a: False)
+            shard = start.clone()
+            reduce_scatter(group, full=group.flatten(grads), shard=shard, topo=topo, op=ReduceOp.AVG,
+                           reduce_dtype=reduce_dtype, accumulate=accumulate, async_op=False)
+            outs.append(shard)
+        monkeypatch.undo()
+        assert torch.equal(outs[0].view(torch.uint8), outs[1].view(torch.uint8)), bucket_bytes
+        full = group.flatten(grads).to(reduce_dtype or grad_dtype)
+        expect = start + full.to(shard_dtype) if accumulate else full.to(shard_dtype)
+        assert torch.equal(outs[0], expect)
+
+
 def _piecewise_case(topo):
     """A bucket larger than the cast piece reduces in pieces with the same result."""
     import zspeed.core.comm as comm_mod
