@@ -241,9 +241,7 @@ def _exact_in(reduce_dtype: torch.dtype, dtype: torch.dtype) -> bool:
 # holds the gradients' values exactly the result is ``full`` itself, added to or copied into the shard with no
 # send buffer: bit for bit what the general path computes (cast up, divide by 1, copy, cast back), without its
 # transients (at one rank the general path's whole-bucket fp32 copies of a 525M-element embedding bucket were
-# 4.2 GB alive at an 8B model's peak: benchmarks/RESULTS.md, offload run 24). The training engine goes further at
-# one rank: a step's first reduction adopts the full gradient buffer as the shard (``shard is full``, nothing
-# to copy), so the gradients are held once, not twice (train/param_group_state.py, ``reduce_grads``).
+# 4.2 GB alive at an 8B model's peak: benchmarks/RESULTS.md, offload run 24).
 
 
 def _reduce_each(group, chosen, *, full, shard, topo, comm, handle, op, reduce_dtype, accumulate) -> None:
@@ -253,7 +251,7 @@ def _reduce_each(group, chosen, *, full, shard, topo, comm, handle, op, reduce_d
         if topo.world_size == 1 and _exact_in(reduce_dtype, send.dtype):  # [Note: one rank]
             if accumulate:
                 out.add_(send.to(out.dtype))  # (rounded first, as the general path's store rounds)
-            elif out.data_ptr() != send.data_ptr() or out.dtype != send.dtype:  # (the shard may be the full buffer)
+            else:
                 out.copy_(send)
             continue
         if send.dtype != reduce_dtype and b.chunk > CAST_PIECE_NUMEL and topo.is_distributed:

@@ -9,7 +9,6 @@ import torch
 from tests.dist_utils import run_distributed
 from tests.engine_cases import Case, loss_of, make_model, micro_batch
 from zspeed.core.comm import ReduceOp, all_reduce
-from zspeed.core.topology import Topology
 from zspeed.train.config import load_config
 from zspeed.train.config_schema import ConfigError
 from zspeed.train.engine import ZeroEngine
@@ -137,28 +136,3 @@ def test_host_update_threads_are_configured_or_shared_by_the_node(monkeypatch):
     cfg["zero_optimization"]["offload_optimizer"]["host_threads"] = -2
     with pytest.raises(ConfigError, match="host_threads must be an integer >= 0"):
         load_config(cfg, world_size=1)
-
-
-@pytest.mark.parametrize("stage,kind,precision", [(2, "none", "bf16"), (3, "none", "fp32"), (2, "optimizer", "bf16"),
-                                                  (3, "both", "bf16")])
-def test_one_rank_holds_the_gradient_once(stage, kind, precision, monkeypatch, tmp_path):
-    """[Note: one rank] in core/comm: at one rank a step's first reduction makes the full gradient buffer the
-    shard instead of copying it (gradient accumulation over 2 micro-batches adds into it), and training is bit for
-    bit what copying gives: losses, grad norms and final masters."""
-    import zspeed.train.param_group_state as pgs
-
-    topo = Topology.single()
-    adopted = []
-    real = pgs._adopts
-
-    def counting(*args):
-        adopted.append(real(*args))
-        return adopted[-1]
-    monkeypatch.setattr(pgs, "_adopts", counting)
-    got = run(build(topo, stage, precision, offload_config(kind, "cpu", str(tmp_path / "a"))), topo)
-    assert adopted and all(adopted)
-    monkeypatch.setattr(pgs, "_adopts", lambda *args: False)
-    want = run(build(topo, stage, precision, offload_config(kind, "cpu", str(tmp_path / "b"))), topo)
-    assert got["losses"] == want["losses"] and got["norms"] == want["norms"]
-    for name, value in want["params"].items():
-        assert torch.equal(got["params"][name], value), name

@@ -62,13 +62,6 @@ from .stage_policy import StagePolicy
 __all__ = ["ParamState", "ShardSource", "FlatParamGroup"]
 
 
-def _adopts(topo: Topology, full_grad: torch.Tensor, shard_numel: int) -> bool:
-    """Whether a step's first reduction may make the full gradient buffer the shard: over one rank it is the
-    identity, so the gradient is held once instead of copied into a second buffer of the same size ([Note: one
-    rank] in core/comm)."""
-    return topo.world_size == 1 and full_grad.numel() == shard_numel
-
-
 class ShardSource(Protocol):
     """Where a stage-3 group's compute chunk comes from when it is not kept on the device."""
 
@@ -264,14 +257,10 @@ class FlatParamGroup:
         """Stages 2-3: reduce-scatter this micro-batch's gradients and add them into ``grad_shard``."""
         if self.full_grad is None:
             return
-        adopt = self.grad_shard is None and _adopts(self.topo, self.full_grad, self.hi - self.lo)
-        if adopt:
-            self.grad_shard = self.full_grad
-        elif self.grad_shard is None:
+        if self.grad_shard is None:
             self.grad_shard = torch.zeros(self.hi - self.lo, dtype=self.dtype, device=self._device)
         handle = reduce_scatter(self.group, full=self.full_grad, shard=self.grad_shard, topo=self.topo,
-                                op=ReduceOp.AVG, reduce_dtype=self.mp.reduce_dtype, accumulate=not adopt,
-                                comm=self.comm)
+                                op=ReduceOp.AVG, reduce_dtype=self.mp.reduce_dtype, accumulate=True, comm=self.comm)
         self._reductions.append((handle, self._release_after_reduce(self.full_grad)))
         self.full_grad, self._ready = None, 0
         if self.on_grads_reduced is not None:
