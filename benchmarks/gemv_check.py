@@ -28,18 +28,6 @@ def _shape(text: str) -> tuple[int, int]:
     return int(k), int(n)
 
 
-def _time_each(cands, launch) -> list[tuple[float, int]]:
-    """(ms, index) of every candidate the compiler accepts, as the tuner times them."""
-    out = []
-    for i, c in enumerate(cands):
-        try:
-            out.append((graph_time_ms(lambda c=c: launch(c), reps=10, trials=3), i))
-        except Exception as e:  # noqa: BLE001  (out of shared memory or registers)
-            if "out of resource" not in str(e).lower() and "OutOfResources" not in type(e).__name__:
-                raise
-    return out
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ms", type=int, nargs="*", default=[1, 4])
@@ -89,7 +77,7 @@ def main() -> None:
                         return _word.run_gemv(x, words, s, z, meta, fmt=f, group=group, n=n, k=k)
                     err = max(((launch(c).float() - ref).abs().max() / ref.abs().max()).item() for c in cands[:2])
                     start = time.perf_counter()
-                    timed = sorted(_time_each(cands, launch))
+                    timed = _word.time_candidates(cands, launch)
                     best = cands[timed[0][1]]
                     tuning = time.perf_counter() - start
                     row[f"{kind}_runners_up"] = [(round(t * 1e3, 1), str(cands[i])) for t, i in timed[1:4]]

@@ -352,17 +352,23 @@ def _pick(key: tuple, candidates: list[WordConfig], launch) -> WordConfig:
     return best
 
 
-def _fastest(candidates: list[WordConfig], launch) -> WordConfig:
+def time_candidates(candidates: list[WordConfig], launch) -> list[tuple[float, int]]:
+    """``(ms, index)`` of every candidate the compiler accepts, fastest first, as the tuner times them."""
     timed = []
-    for c in candidates:
+    for i, c in enumerate(candidates):
         try:
-            timed.append((graph_time_ms(lambda c=c: launch(c), reps=10, trials=3), c))
+            timed.append((graph_time_ms(lambda c=c: launch(c), reps=10, trials=3), i))
         except Exception as e:  # noqa: BLE001  (a config the compiler rejects, e.g. out of shared memory)
             if "out of resource" not in str(e).lower() and "OutOfResources" not in type(e).__name__:
                 raise
+    return sorted(timed)
+
+
+def _fastest(candidates: list[WordConfig], launch) -> WordConfig:
+    timed = time_candidates(candidates, launch)
     if not timed:
         raise RuntimeError(f"no kernel config of {len(candidates)} fits this GPU's resources; use path='dense'")
-    return min(timed, key=lambda t: t[0])[1]
+    return candidates[timed[0][1]]
 
 
 @functools.cache
