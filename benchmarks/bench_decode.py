@@ -3,6 +3,7 @@
     python benchmarks/bench_decode.py [--layers 32] [--tokens 64] [--json FILE]
     python benchmarks/bench_decode.py --dry-run     # CPU, 2 tiny layers: checks the script only
     python benchmarks/bench_decode.py --compile     # every system's decode step through torch.compile first
+    python benchmarks/bench_decode.py --compile --head --profile   # + INT4 with lm_head quantized; GPU time by kernel
 
 Hugging Face ``LlamaForCausalLM`` of the Llama-3-8B shape (hidden 4096, FFN 14336,
 32 heads, 8 KV heads, vocabulary 128,256), random bf16 weights, a ``StaticCache``;
@@ -16,6 +17,12 @@ the same process; issue 5's target is INT4 >= 2.5x bf16. Each quantized model's
 one-token logits are first checked against a bf16 model holding its dequantized
 weights (relative error printed); the greedy tokens are compared with bf16's too
 (agreement printed: random weights, so any flip diverges; no check).
+
+``--head`` adds a system with ``lm_head`` quantized to INT4 as well (a 1 GB bf16 read per token otherwise; an
+opt-in through ``exclude=("*embed*",)``, reported beside the default, not instead of it). ``--profile`` replays
+each system's graph under the profiler and prints GPU time per token by kernel kind (zspeed's matmuls, cuBLAS,
+attention, Inductor's fused kernels, other) beside the wall time per token: the difference is time the GPU idles
+between kernels.
 """
 from __future__ import annotations
 
@@ -71,6 +78,16 @@ class Decoder:
         self.pos = torch.tensor([prompt.shape[1]], device=self.device)
         self.graph = None
 
+    def _seek(self, position: int) -> None:
+        """The next step decodes at ``position``: our position tensor, and the write position that recent
+        transformers' static cache layers keep themselves (``cumulative_length``, a device tensor every step adds
+        to; without this rewind, repeated runs write past the cache's end)."""
+        self.pos.fill_(position)
+        for layer in getattr(self.cache, "layers", ()):
+            length = getattr(layer, "cumulative_length", None)
+            if isinstance(length, torch.Tensor):
+                length.fill_(position)
+
     def _step(self) -> torch.Tensor:
         out = self.forward(input_ids=self.ids, past_key_values=self.cache, cache_position=self.pos, use_cache=True)
         return out.logits[:, -1].argmax(-1, keepdim=True)
@@ -98,7 +115,7 @@ class Decoder:
         t0 = time.perf_counter()
         with torch.no_grad():
             for i in range(tokens):
-                self.pos.fill_(start_pos + i)
+                self._seek(start_pos + i)
                 if self.graph is not None:
                     self.graph.replay()
                     nxt = self.next
@@ -109,16 +126,62 @@ class Decoder:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         secs = time.perf_counter() - t0
-        self.pos.fill_(start_pos)
+        self._seek(start_pos)
         return [int(t) for t in torch.cat(out).flatten().tolist()], secs
 
 
-def quantized(model, bits: int):
+def quantized(model, bits: int, *, head: bool = False):
     from zspeed.compress import RTNConfig, quantize_model
 
     q = copy.deepcopy(model) if bits else model
-    cfg = RTNConfig(bits=bits, group_size=128) if bits == 4 else RTNConfig(bits=8)
+    extra = {"exclude": ("*embed*",)} if head else {}
+    cfg = RTNConfig(bits=bits, group_size=128, **extra) if bits == 4 else RTNConfig(bits=8, **extra)
     return quantize_model(q, cfg, progress=False)
+
+
+KINDS = (("zspeed", ("stationary", "wdot", "tile", "word", "s24", "gemv_")), ("attention", ("flash", "fmha", "sdpa",
+         "attention", "attn")), ("cuBLAS", ("nvjet", "gemv", "gemm", "xmma", "cutlass", "cublas", "splitk")),
+         ("inductor", ("triton_",)))
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def profile_step(dec, tokens: int, wall_ms: float) -> dict:
+    """GPU time per token by kernel kind (see the module docstring), the steps launched one by one (a kernel's
+    duration does not depend on how it was launched); ``wall_ms`` is the graph's time per token."""
+    from torch.profiler import ProfilerActivity, profile
+
+    start = int(dec.pos.item())
+    dec.ids.copy_(dec.first)
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(tokens):
+            dec._seek(start + i)
+            dec.ids.copy_(dec._step())
+        torch.cuda.synchronize()
+    dec._seek(start)
+    by_kind: dict[str, float] = {}
+    top = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if us <= 0:
+            continue
+        kind = kernel_kind(e.key)
+        by_kind[kind] = by_kind.get(kind, 0.0) + us / tokens / 1e3
+        top.append((us / tokens / 1e3, e.count / tokens, kind, e.key[:90]))
+    top.sort(reverse=True)
+    gpu = sum(by_kind.values())
+    print(f"  profile: graph {wall_ms:.3f} ms/token, GPU kernels {gpu:.3f} ms/token: "
+          + ", ".join(f"{k} {v:.3f}" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])), flush=True)
+    for ms, n, kind, key in top[:12]:
+        print(f"    {ms:7.3f} ms  {n:6.1f}/token  {kind:9s} {key}", flush=True)
+    return {"graph_ms": wall_ms, "gpu_ms": gpu, "by_kind_ms": by_kind,
+            "top": [dict(ms=ms, per_token=n, kind=kind, kernel=key) for ms, n, kind, key in top[:12]]}
 
 
 def kernel_error(q, prompt) -> float:
@@ -157,6 +220,8 @@ def measure(name: str, model, prompt, args) -> dict:
            "tokens_per_s": args.tokens / secs, "ms_per_token": secs / args.tokens * 1e3, "graph": dec.graph is not None,
            "ids": toks}
     print(json.dumps({k: v for k, v in row.items() if k != "ids"}), flush=True)
+    if args.profile and dec.graph is not None:
+        row["profile"] = profile_step(dec, 16, row["ms_per_token"])
     return row
 
 
@@ -169,6 +234,8 @@ def main() -> int:
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--compile", action="store_true", help="torch.compile every system's decode step (bf16 too), so "
                    "that the step's small non-matmul kernels are fused for all of them alike")
+    p.add_argument("--head", action="store_true", help="also time INT4 with lm_head quantized (opt-in)")
+    p.add_argument("--profile", action="store_true", help="GPU time per token by kernel kind (after the timed run)")
     args = p.parse_args()
     device = "cpu" if args.dry_run else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
@@ -180,12 +247,13 @@ def main() -> int:
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_len), device=device,
                            generator=torch.Generator(device=device).manual_seed(1))
     rows = [measure("bf16", model, prompt, args)]
-    for bits in (4, 8):
-        q = quantized(model, bits)
+    for bits, head in ((4, False), (8, False)) + (((4, True),) if args.head else ()):
+        q = quantized(model, bits, head=head)
         err = kernel_error(q, prompt)
-        rows.append(measure(f"zspeed-int{bits}", q, prompt, args))
+        name = f"zspeed-int{bits}" + ("+head" if head else "")
+        rows.append(measure(name, q, prompt, args))
         rows[-1]["logits_rel_err_vs_dequantized"] = err
-        print(f"zspeed-int{bits}: one-token logits vs the dequantized bf16 model: relative error {err:.2e} "
+        print(f"{name}: one-token logits vs the dequantized bf16 model: relative error {err:.2e} "
               f"({'ok' if err < 5e-2 else 'CHECK FAILED: a kernel computes something else'})", flush=True)
         del q
         if device == "cuda":
