@@ -35,7 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._word_kernels import _as_float, _group_scale, _load_words, _mma_program, _mma_store
+from ._word_kernels import _as_float, _group_scale, _load_words, _mma_fixup, _mma_program, _mma_store
 
 
 @triton.jit
@@ -110,14 +110,16 @@ def _mma(a, b, acc, DOT_F32: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
-def wmma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, KW, SPLIT_K,
+def wmma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M, N, K, KW, SPLIT_K,
                 stride_xm, stride_wn, stride_sn, stride_om,
                 FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, ATOMIC: tl.constexpr,
-                DOT_F32: tl.constexpr, CPW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_W: tl.constexpr, EVEN_W: tl.constexpr, ORDER: tl.constexpr, SWAP: tl.constexpr):
+                FIXUP: tl.constexpr, DOT_F32: tl.constexpr, CPW: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN_W: tl.constexpr, ORDER: tl.constexpr,
+                SWAP: tl.constexpr):
     """INT8 / INT4 GEMM on tensor cores, one dot of depth ``CPW * BLOCK_W`` per tile of words
     ([Note: full-depth wdot]), optionally transposed ([Note: swap-AB]). Grid ``(cdiv(M, BM), cdiv(N, BN),
-    SPLIT_K)``; with ``ATOMIC`` each of the ``SPLIT_K`` programs adds its tiles' sum in fp32."""
+    SPLIT_K)``; where ``K`` is split, each of the ``SPLIT_K`` programs adds its tile's sum in fp32 (``ATOMIC``)
+    or stores it as a partial that the tile's last program sums (``FIXUP``, [Note: split-K fix-up])."""
     offs_m, offs_n, mmask, nmask, t_lo, t_hi = _mma_program(M, N, KW, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_W)
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
@@ -134,4 +136,8 @@ def wmma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, KW, SPLIT_K,
             acc = _mma(x, tl.trans(wt), acc, DOT_F32)  # (BM, BN)
     if SWAP:
         acc = tl.trans(acc)  # (once per program: a layout change in the epilogue)
-    _mma_store(acc, out_ptr, s_ptr, offs_m, offs_n, mmask, nmask, stride_om, FMT, ATOMIC)
+    if FIXUP:
+        _mma_fixup(acc, part_ptr, count_ptr, out_ptr, s_ptr, offs_m, offs_n, mmask, nmask, M, N, SPLIT_K, stride_om,
+                   FMT)
+    else:
+        _mma_store(acc, out_ptr, s_ptr, offs_m, offs_n, mmask, nmask, stride_om, FMT, ATOMIC)

@@ -342,3 +342,30 @@ def _mma_store(acc, out_ptr, s_ptr, offs_m, offs_n, mmask, nmask, stride_om, FMT
         tl.atomic_add(optrs, acc, mask=omask)
     else:
         tl.store(optrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _mma_fixup(acc, part_ptr, count_ptr, out_ptr, s_ptr, offs_m, offs_n, mmask, nmask, M, N, SPLIT_K, stride_om,
+               FMT: tl.constexpr):
+    """Where ``K`` is split, without atomics into a zeroed buffer ([Note: split-K fix-up]): store this split's
+    ``(BM, BN)`` partial (INT8: scaled), count the split done, and the last split of the tile sums the partials
+    in split order into the output, in its dtype, and resets the tile's counter."""
+    if FMT == 0:
+        acc *= tl.load(s_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    omask = mmask[:, None] & nmask[None, :]
+    tile = offs_m[:, None] * N + offs_n[None, :]
+    tl.store(part_ptr + tl.program_id(2) * M * N + tile, acc, mask=omask)
+    tl.debug_barrier()
+    counter = count_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if done == SPLIT_K - 1:
+        total = tl.zeros(acc.shape, tl.float32)
+        for k0 in range(0, SPLIT_K, 2):  # two partials in flight per L2 round trip
+            first = tl.load(part_ptr + k0 * M * N + tile, mask=omask, other=0.0, cache_modifier=".cg")
+            more = (tl.zeros_like(tile) + k0 + 1) < SPLIT_K
+            second = tl.load(part_ptr + (k0 + 1) * M * N + tile, mask=omask & more, other=0.0, cache_modifier=".cg")
+            total += first
+            total += second
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], total.to(out_ptr.dtype.element_ty),
+                 mask=omask)
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")

@@ -324,6 +324,27 @@ def test_full_depth_wdot_matches_reference(monkeypatch, fmt, m, n, k, group, sym
 
 @needs_interp
 @pytest.mark.parametrize("fmt,m,n,k,group,sym,dtype", [
+    ("w4", 17, 40, 320, 128, False, torch.bfloat16), ("w4", 5, 72, 512, 64, True, torch.float16),
+    ("w8", 17, 40, 320, 0, True, torch.bfloat16)])
+def test_full_depth_wdot_fixup(monkeypatch, fmt, m, n, k, group, sym, dtype):
+    """[Note: split-K fix-up]: K split 2, 3 or 4 ways (the last split short or empty of tiles), each tile's
+    partials summed by its last split: the reference, the same bits on a second call (no atomics), both
+    orientations, odd M and a partial N block; every tile counter is back at zero afterwards."""
+    from zspeed.kernels import _word
+
+    x, words, s, z, f, ref = _word_case(fmt, m, n, k, group, sym, dtype, seed=14)
+    bw = 16 if fmt == "w4" else 32
+    for swap in (False, True):
+        for split in (2, 3, 4):
+            cfg = _word.WordConfig(16, 32, bw, split, 1, full_depth=True, order=3, swap=swap, fixup=True)
+            got = _run_wdot_with(monkeypatch, cfg, x, words, s, z, f, group, n)
+            _close(got, ref, dtype)
+            assert torch.equal(got, _run_wdot_with(monkeypatch, cfg, x, words, s, z, f, group, n))
+            assert not _word._stationary_workspace(x.device)[1].any()
+
+
+@needs_interp
+@pytest.mark.parametrize("fmt,m,n,k,group,sym,dtype", [
     ("w4", 5, 40, 320, 128, False, torch.bfloat16), ("w4", 17, 24, 384, 192, False, torch.float32),
     ("w8", 5, 40, 320, 0, True, torch.float16)])
 def test_wdot_kernels_both_run_from_the_candidates(monkeypatch, fmt, m, n, k, group, sym, dtype):

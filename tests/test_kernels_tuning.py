@@ -41,7 +41,7 @@ def test_full_depth_configs_round_trip(tmp_path):
 def test_wdot_candidates_on_an_h100(monkeypatch, fmt):
     """Both kernels are timed at every row count, a modest number of configs per key, full-depth row blocks
     that match the bucket (swap-AB only up to 64 rows), and split-K only where the programs fill the GPU less than
-    four times over."""
+    four times over, summed by a fix-up where the partials fit the workspace."""
     monkeypatch.setattr(_word, "interpreting", lambda: False)
     monkeypatch.setattr(_word, "_sm_count", lambda index: 132)
     gpu = torch.device("cuda", 0)
@@ -58,6 +58,10 @@ def test_wdot_candidates_on_an_h100(monkeypatch, fmt):
                 assert not c.swap or c.block_m <= 64
                 if c.split_k > 1:
                     assert -(-m // c.block_m) * -(-n // c.block_n) < 4 * 132
+                    # [Note: split-K fix-up] wherever the partials fit the workspace
+                    assert c.fixup == (m * c.split_k * n <= _word.STATIONARY_WORKSPACE), c
+                else:
+                    assert not c.fixup
 
 
 def test_stationary_tma_candidates_on_an_h100(monkeypatch, tmp_path):
