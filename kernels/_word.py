@@ -39,7 +39,7 @@ that the x-stationary kernels use, counts itself done on a counter per output
 tile, and the tile's last split sums the partials in split order and stores the
 output in ``x``'s dtype, as the x-stationary kernels do ([Note: x-stationary
 GEMV] in ``_stationary_kernels``). That is one launch and the same bits every
-run, and faster: on an H100 (session 11, run 27) it took 8192x8192 at 64 rows
+run, and faster: on an H100 (session 11, run 21) it took 8192x8192 at 64 rows
 from 64.8 to 52.4 us and was never slower beyond noise. So where the partials
 fit the workspace the tuner offers it instead of atomics. The workspace is per
 device (two launches must not overlap on two streams); a call captured into a
