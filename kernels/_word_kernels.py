@@ -330,12 +330,19 @@ def wdot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, KW, SPLIT_K,
 
 
 @triton.jit
+def _channel_scaled(acc, s_ptr, offs_n, nmask, FMT: tl.constexpr):
+    """INT8: a ``(BM, BN)`` accumulator times its per-channel scales (INT4 tiles are scaled in the dequantization)."""
+    if FMT == 0:
+        acc *= tl.load(s_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
 def _mma_store(acc, out_ptr, s_ptr, offs_m, offs_n, mmask, nmask, stride_om, FMT: tl.constexpr,
                ATOMIC: tl.constexpr):
     """Store a ``(BM, BN)`` fp32 accumulator (INT8: times the per-channel scale): fp32 atomics into a zeroed
     buffer where ``K`` is split, else in the output's dtype."""
-    if FMT == 0:
-        acc *= tl.load(s_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    acc = _channel_scaled(acc, s_ptr, offs_n, nmask, FMT)
     optrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     omask = mmask[:, None] & nmask[None, :]
     if ATOMIC:
@@ -350,8 +357,7 @@ def _mma_fixup(acc, part_ptr, count_ptr, out_ptr, s_ptr, offs_m, offs_n, mmask, 
     """Where ``K`` is split, without atomics into a zeroed buffer ([Note: split-K fix-up]): store this split's
     ``(BM, BN)`` partial (INT8: scaled), count the split done, and the last split of the tile sums the partials
     in split order into the output, in its dtype, and resets the tile's counter."""
-    if FMT == 0:
-        acc *= tl.load(s_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    acc = _channel_scaled(acc, s_ptr, offs_n, nmask, FMT)
     omask = mmask[:, None] & nmask[None, :]
     tile = offs_m[:, None] * N + offs_n[None, :]
     tl.store(part_ptr + tl.program_id(2) * M * N + tile, acc, mask=omask)
