@@ -329,7 +329,14 @@ def full_depth_candidates(fmt: int, m: int, n: int, kw: int, group: int, device:
 
 def _fixup_fits(m: int, n: int, split: int, bm: int, bn: int) -> bool:
     """Whether a split-K fix-up's partials and tile counters fit the device workspace ([Note: split-K fix-up])."""
-    return m * split * n <= STATIONARY_WORKSPACE and cdiv(m, bm) * cdiv(n, bn) <= WORKSPACE_COUNTERS
+    return _workspace_fits(m * split * n, cdiv(m, bm) * cdiv(n, bn))
+
+
+def _workspace_fits(partials: int, counters: int) -> bool:
+    """Whether ``partials`` fp32 sums and ``counters`` counters fit the device workspace. Checked at every launch,
+    not only when a key is tuned: a key covers a bucket of row counts (``m_bucket``), and a config tuned at 3 rows
+    must not write past the workspace at 4."""
+    return partials <= STATIONARY_WORKSPACE and counters <= WORKSPACE_COUNTERS
 
 
 def wdot_candidates(fmt: int, m: int, n: int, kw: int, group: int, device: torch.device) -> list[WordConfig]:
@@ -427,13 +434,14 @@ def _stationary_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Ten
 
 def run_stationary(x, words, s, z, c: WordConfig, *, fmt: int, group: int, n: int,
                    meta: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The x-stationary kernel with config ``c``; ``None`` where its workspace cannot be made now (see above)."""
+    """The x-stationary kernel with config ``c``; ``None`` where its workspace cannot be made now (see above) or
+    is too small for these rows (:func:`_workspace_fits`)."""
     m, kw = x.shape[0], words.shape[1]
     runs = cdiv(n, c.block_n * c.row_blocks)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     if c.split_k > 1:
         ws = _stationary_workspace(x.device)
-        if ws is None or m * runs > ws[1].numel():
+        if ws is None or not _workspace_fits(m * c.split_k * n, m * runs):
             return None
         partials, counters = ws
     else:  # one slice: the kernel stores the output directly and touches neither
@@ -487,7 +495,7 @@ def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
             out = run_stationary(x, words, s, z, c, fmt=fmt, group=group, n=n, meta=meta)
             if out is not None:
                 return out
-            c = tiles[0]  # inside a CUDA graph capture before the workspace exists: the tile kernel
+            c = tiles[0]  # no workspace now (a capture before the first eager call) or too small: the tile kernel
         xp = x if c.xnat else plane_major(x, CPW[fmt])
         out = _out(m, n, x, c.split_k)
         _kernels().gemv_kernel[(m, cdiv(n, c.block_n), c.split_k)](
@@ -521,8 +529,8 @@ def run_wdot(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
 
     def launch(c: WordConfig) -> torch.Tensor:  # the plane-major copy, where read, is timed with the kernel
         xs = x if c.full_depth and c.order != 2 else plane_major(x, CPW[fmt])
-        ws = _stationary_workspace(x.device) if c.fixup else None
-        fixup = ws is not None  # (none while a capture runs before the first eager call: atomics then)
+        ws = _stationary_workspace(x.device) if c.fixup and _fixup_fits(m, n, c.split_k, c.block_m, c.block_n) else None
+        fixup = ws is not None  # else atomics: in a capture before the first eager call, or past the workspace
         out = _out(m, n, x, 1 if fixup else c.split_k)
         if c.full_depth:
             kernel = _wmma_kernels().wmma_kernel

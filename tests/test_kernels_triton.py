@@ -344,6 +344,34 @@ def test_full_depth_wdot_fixup(monkeypatch, fmt, m, n, k, group, sym, dtype):
 
 
 @needs_interp
+def test_workspace_too_small_for_these_rows(monkeypatch):
+    """A key covers a bucket of row counts, so a config tuned where its partials fit the workspace can be launched
+    with more rows: the x-stationary kernel then gives way to the tile kernel and the fix-up to atomics, with
+    correct results and the counters untouched, instead of writing past the workspace."""
+    from zspeed.kernels import _word
+
+    monkeypatch.setattr(_word, "_WORKSPACE", {})
+    monkeypatch.setattr(_word, "STATIONARY_WORKSPACE", 2 * 3 * 40)  # 2 slices x 40 outputs: 3 rows fit, 4 do not
+    x, w = _inputs(4, 40, 256, torch.bfloat16, seed=15)
+    q = quantize_int4(w, group_size=128)
+    words, s, z = q.qweight.view(torch.int32), q.scales, q.zeros
+    ref = w4a16_ref(x, q.qweight, q.scales, q.zeros, 128)
+    (cfg,) = _word.stationary_candidates(_word.FMT_W4, 3, 40, words.shape[1], 128, x.device)
+    assert cfg.split_k == 2
+    _close(_word.run_stationary(x[:3], words, s, z, cfg, fmt=_word.FMT_W4, group=128, n=40), ref[:3], torch.bfloat16)
+    assert _word.run_stationary(x, words, s, z, cfg, fmt=_word.FMT_W4, group=128, n=40) is None
+    monkeypatch.setattr(_word, "stationary_candidates", lambda *a: [cfg])
+    monkeypatch.setattr(_word, "_BEST", {("gemv", _word.FMT_W4, 128, True, 4, 40, 256, torch.bfloat16): cfg})
+    _close(_word.run_gemv(x, words, s, z, None, fmt=_word.FMT_W4, group=128, n=40, k=256), ref, torch.bfloat16)
+    fix = _word.WordConfig(16, 32, 16, 2, 1, full_depth=True, order=3, fixup=True)
+    assert not _word._fixup_fits(4, 40, 2, 16, 32) and _word._fixup_fits(3, 40, 2, 16, 32)
+    partials, counters = _word._WORKSPACE[x.device]
+    partials.fill_(float("nan"))  # the fix-up would store its partials here first
+    _close(_run_wdot_with(monkeypatch, fix, x, words, s, z, _word.FMT_W4, 128, 40), ref, torch.bfloat16)
+    assert partials.isnan().all() and not counters.any()
+
+
+@needs_interp
 @pytest.mark.parametrize("fmt,m,n,k,group,sym,dtype", [
     ("w4", 5, 40, 320, 128, False, torch.bfloat16), ("w4", 17, 24, 384, 192, False, torch.float32),
     ("w8", 5, 40, 320, 0, True, torch.float16)])
