@@ -344,6 +344,30 @@ def test_full_depth_wdot_fixup(monkeypatch, fmt, m, n, k, group, sym, dtype):
 
 
 @needs_interp
+@pytest.mark.parametrize("fmt,group,sym", [("w4", 128, False), ("w4", 32, True), ("w8", 0, True)])
+def test_full_depth_wdot_dequantizes_bit_for_bit(monkeypatch, fmt, group, sym):
+    """[Note: fields masked in place]: with one-hot rows of x each output row is one column of the dequantized
+    weight, so the kernel's dequantization must equal the format's ``dequantize`` bit for bit, for every field of a
+    word (INT4 fields 0-7, INT8 0-3) and both column orders. In fp16: the interpreter truncates fp32 to bf16 where
+    the GPU rounds to nearest, so only fp16 rounds alike on both."""
+    from zspeed.kernels import _word
+
+    k, n = 256, 40
+    _, w = _inputs(1, n, k, torch.float16, seed=16)
+    w[:, :8] *= 64.0  # large codes in the first group as well as small ones
+    q = quantize_int4(w, group_size=group, symmetric=sym) if fmt == "w4" else quantize_int8(w)
+    words = q.qweight.view(torch.int32)
+    f = _word.FMT_W4 if fmt == "w4" else _word.FMT_W8
+    x = torch.eye(k, dtype=torch.float16)[:48]  # 48 one-hot rows: columns 0-47 of every word position
+    want = q.dequantize(torch.float16)[:, :48].T
+    bw = 16 if fmt == "w4" else 32
+    for order in (0, 3):
+        cfg = _word.WordConfig(16, 32, bw, 1, 1, full_depth=True, order=order)
+        got = _run_wdot_with(monkeypatch, cfg, x, words, q.scales, getattr(q, "zeros", None), f, group, n)
+        assert torch.equal(got, want), (order, (got.float() - want.float()).abs().max())
+
+
+@needs_interp
 def test_workspace_too_small_for_these_rows(monkeypatch):
     """A key covers a bucket of row counts, so a config tuned where its partials fit the workspace can be launched
     with more rows: the x-stationary kernel then gives way to the tile kernel and the fix-up to atomics, with
