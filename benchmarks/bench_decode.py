@@ -19,10 +19,10 @@ weights (relative error printed); the greedy tokens are compared with bf16's too
 (agreement printed: random weights, so any flip diverges; no check).
 
 ``--head`` adds a system with ``lm_head`` quantized to INT4 as well (a 1 GB bf16 read per token otherwise; an
-opt-in through ``exclude=("*embed*",)``, reported beside the default, not instead of it). ``--profile`` replays
-each system's graph under the profiler and prints GPU time per token by kernel kind (zspeed's matmuls, cuBLAS,
-attention, Inductor's fused kernels, other) beside the wall time per token: the difference is time the GPU idles
-between kernels.
+opt-in through ``exclude=("*embed*",)``, reported beside the default, not instead of it). ``--profile`` runs
+16 steps of each system one launch at a time under the profiler and prints their GPU time per token by kernel kind
+(zspeed's matmuls, cuBLAS, attention, Inductor's fused kernels, other) beside the graph's time per token: the
+difference is about the time the GPU idles between kernels in the graph.
 """
 from __future__ import annotations
 
