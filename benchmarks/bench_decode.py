@@ -139,6 +139,34 @@ def quantized(model, bits: int, *, head: bool = False):
     return quantize_model(q, cfg, progress=False)
 
 
+def fused(model, *, copy_first: bool):
+    """``model`` (a copy if ``copy_first``) with q/k/v and gate/up fused into one matmul each ([Note: fused
+    projections] in compress/fused.py)."""
+    from zspeed.compress import fuse_projections
+
+    return fuse_projections(copy.deepcopy(model) if copy_first else model)
+
+
+# name -> (bits (0: bf16), lm_head quantized too, projections fused)
+SYSTEMS = {"bf16": (0, False, False), "zspeed-int4": (4, False, False), "zspeed-int8": (8, False, False),
+           "zspeed-int4+head": (4, True, False), "bf16+fused": (0, False, True), "zspeed-int4+fused": (4, False, True),
+           "zspeed-int4+head+fused": (4, True, True), "zspeed-int8+fused": (8, False, True)}
+
+
+def chosen_systems(args) -> list[str]:
+    if args.systems:
+        names = [n.strip() for n in args.systems.split(",") if n.strip()]
+        bad = [n for n in names if n not in SYSTEMS]
+        if bad or "bf16" not in names:
+            raise SystemExit(f"--systems: {bad or 'bf16 missing'}; choose from {', '.join(SYSTEMS)} "
+                             "(bf16, the baseline, is required)")
+        return ["bf16"] + [n for n in names if n != "bf16"]
+    names = ["bf16", "zspeed-int4", "zspeed-int8"] + (["zspeed-int4+head"] if args.head else [])
+    if args.fuse:
+        names += ["bf16+fused", "zspeed-int4+fused"] + (["zspeed-int4+head+fused"] if args.head else [])
+    return names
+
+
 KINDS = (("zspeed", ("stationary", "wdot", "tile", "word", "s24", "gemv_")), ("attention", ("flash", "fmha", "sdpa",
          "attention", "attn")), ("cuBLAS", ("nvjet", "gemv", "gemm", "xmma", "cutlass", "cublas", "splitk")),
          ("inductor", ("triton_",)))
@@ -236,6 +264,9 @@ def main() -> int:
                    "that the step's small non-matmul kernels are fused for all of them alike")
     p.add_argument("--head", action="store_true", help="also time INT4 with lm_head quantized (opt-in)")
     p.add_argument("--profile", action="store_true", help="GPU time per token by kernel kind (after the timed run)")
+    p.add_argument("--fuse", action="store_true", help="also time bf16 and INT4 with q/k/v and gate/up fused "
+                   "(zspeed.compress.fuse_projections)")
+    p.add_argument("--systems", help=f"comma-separated subset of: {', '.join(SYSTEMS)} (overrides --head/--fuse)")
     args = p.parse_args()
     device = "cpu" if args.dry_run else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
@@ -246,27 +277,37 @@ def main() -> int:
     model = build(args.layers, device, tiny=args.dry_run)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_len), device=device,
                            generator=torch.Generator(device=device).manual_seed(1))
-    rows = [measure("bf16", model, prompt, args)]
-    for bits, head in ((4, False), (8, False)) + (((4, True),) if args.head else ()):
-        q = quantized(model, bits, head=head)
-        err = kernel_error(q, prompt)
-        name = f"zspeed-int{bits}" + ("+head" if head else "")
+    rows = []
+    for name in chosen_systems(args):
+        bits, head, fuse = SYSTEMS[name]
+        q = quantized(model, bits, head=head) if bits else model
+        q = fused(q, copy_first=q is model) if fuse else q
+        err = kernel_error(q, prompt) if bits else None
         rows.append(measure(name, q, prompt, args))
-        rows[-1]["logits_rel_err_vs_dequantized"] = err
-        print(f"{name}: one-token logits vs the dequantized bf16 model: relative error {err:.2e} "
-              f"({'ok' if err < 5e-2 else 'CHECK FAILED: a kernel computes something else'})", flush=True)
-        del q
+        if err is not None:
+            rows[-1]["logits_rel_err_vs_dequantized"] = err
+            print(f"{name}: one-token logits vs the dequantized bf16 model: relative error {err:.2e} "
+                  f"({'ok' if err < 5e-2 else 'CHECK FAILED: a kernel computes something else'})", flush=True)
+        if q is not model:
+            del q
         if device == "cuda":
             torch.cuda.empty_cache()
     base = rows[0]
+    bases = {r["system"]: r for r in rows if not SYSTEMS[r["system"]][0]}  # bf16 and bf16+fused
     for r in rows[1:]:
         agree = sum(a == b for a, b in zip(r["ids"], base["ids"])) / len(base["ids"])
         r["speedup_vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
         r["token_agreement"] = agree
+        like = bases.get("bf16+fused") if SYSTEMS[r["system"]][2] else None
+        if like is not None and like is not r:
+            r["speedup_vs_bf16_fused"] = r["tokens_per_s"] / like["tokens_per_s"]
+        also = f", {r['speedup_vs_bf16_fused']:.2f}x bf16+fused" if "speedup_vs_bf16_fused" in r else ""
         print(f"{r['system']}: {r['tokens_per_s']:.1f} tok/s vs bf16 {base['tokens_per_s']:.1f}: "
-              f"{r['speedup_vs_bf16']:.2f}x (greedy agreement {agree:.2f})", flush=True)
-    int4 = rows[1]["speedup_vs_bf16"]
-    print(f"target INT4 batch-1 decode >= 2.5x bf16: {int4:.2f}x {'PASS' if int4 >= 2.5 else 'FAIL'}")
+              f"{r['speedup_vs_bf16']:.2f}x{also} (greedy agreement {agree:.2f})", flush=True)
+    for r in rows[1:]:
+        if SYSTEMS[r["system"]][0] == 4:
+            x = r["speedup_vs_bf16"]
+            print(f"target INT4 batch-1 decode >= 2.5x bf16, {r['system']}: {x:.2f}x {'PASS' if x >= 2.5 else 'FAIL'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "rows": rows}, f,

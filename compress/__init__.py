@@ -15,6 +15,7 @@ reference here; the integer and sparse formats have Triton kernels in
 """
 from .config import (DEFAULT_EXCLUDE, METHODS, GPTQConfig, MagnitudeConfig, NF4Config, RTNConfig, WandaConfig,
                      make_config)
+from .fuse import FuseConfig, fuse_projections, fused_projections, unfuse_projections
 from .formats import Int4Weight, Int8Weight, quantize_int4, quantize_int8
 from .gptq import gptq_quantize
 from .modules import NF4Linear, QuantLinear, SparseLinear
@@ -32,4 +33,5 @@ __all__ = [
     "nm_mask", "prune_nm",
     "pack_bits", "unpack_bits", "CompressedFormatError", "load_compressed", "read_metadata", "save_compressed",
     "quantize_model", "select_linears", "sparsify_model",
+    "FuseConfig", "fuse_projections", "fused_projections", "unfuse_projections",
 ]

@@ -52,6 +52,13 @@ def save_compressed(model: nn.Module, directory: str | os.PathLike, *, config: o
     ``config`` (the method config used) and ``extra`` (JSON-able, e.g. the source
     model) are recorded for reference. Returns the directory.
     """
+    from .fuse import fused_projections
+
+    fused = fused_projections(model)
+    if fused:
+        raise ValueError(f"save_compressed: the model has fused projections ({next(iter(fused))}, ...), whose "
+                         "tensors a plain model would not find; call zspeed.compress.unfuse_projections(model) "
+                         "before saving and fuse_projections again after loading")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     tensors, tied, non_persistent = _unique_tensors(model)

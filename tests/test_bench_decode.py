@@ -40,3 +40,29 @@ def test_kernel_kinds():
     assert bench.kernel_kind("cudnn_generated_fort_native_sdpa_sm80_flash_fprop") == "attention"
     assert bench.kernel_kind("triton_poi_fused_mul_silu_9") == "inductor"
     assert bench.kernel_kind("void at::native::reduce_kernel") == "other"
+
+
+def test_fused_systems_decode_like_the_plain_ones():
+    """``--fuse``: q/k/v and gate/up fused into one matmul each decode the same tokens, bf16 and INT4."""
+    bench = _bench()
+    torch.manual_seed(0)
+    model = bench.build(2, "cpu", tiny=True)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(1))
+    int4 = bench.quantized(model, 4)
+    for plain in (model, int4):
+        fused = bench.fused(plain, copy_first=True)
+        assert len([m for m in fused.modules() if type(m).__name__ == "FusedProjection"]) == 4
+        with torch.no_grad():
+            want = plain(input_ids=prompt).logits.float()
+            got = fused(input_ids=prompt).logits.float()
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+        runs = [bench.Decoder(m, prompt, max_len=prompt.shape[1] + 5).run(4)[0] for m in (plain, fused)]
+        assert runs[0] == runs[1]
+    assert bench.chosen_systems(bench_args(fuse=True)) == ["bf16", "zspeed-int4", "zspeed-int8", "bf16+fused",
+                                                           "zspeed-int4+fused"]
+
+
+def bench_args(**kw):
+    import argparse
+
+    return argparse.Namespace(**{"systems": None, "head": False, "fuse": False, **kw})
