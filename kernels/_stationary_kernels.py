@@ -53,26 +53,11 @@ row) keep the register prefetch. The launcher builds the descriptor on the host
 (the words viewed as ``(N, KW / WG, WG)``), which needs rows whose byte stride is a
 multiple of 16 (TMA's rule). The tuner offers it for INT4, beside the other two
 kernels; INT8 runs it correctly but was never faster than its register kernel.
-
-[Note: early launch] A decode step runs a few hundred short kernels back to
-back, and each of these GEMVs starts only after the kernel before it has
-finished and its own launch has gone through. With programmatic dependent launch
-(Hopper on), the launcher marks the launch ``launch_pdl`` and the kernel starts
-with ``gdc_wait``: its programs are placed on the SMs while the previous kernel
-drains, and wait there until that kernel has finished and its writes are
-visible. Nothing is read or written before the wait (a weight could have been
-written by the previous kernel), so the result is the same; what is saved is the
-launch latency between the two kernels. ``_word.pdl_ok`` says where it is used.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-try:
-    from triton.language.extra.cuda import gdc_wait
-except ImportError:  # a Triton without grid dependency control: the launcher never sets PDL (``_word.pdl_ok``)
-    gdc_wait = None
 
 
 @triton.jit
@@ -221,15 +206,12 @@ def stationary_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_
                            stride_xm, stride_wn, stride_sn, stride_om,
                            FMT: tl.constexpr, HAS_ZEROS: tl.constexpr, G: tl.constexpr, WG: tl.constexpr,
                            BLOCK_N: tl.constexpr, ROW_BLOCKS: tl.constexpr, PARTIAL: tl.constexpr,
-                           EVEN: tl.constexpr, FIX_K: tl.constexpr, DEPTH: tl.constexpr, PDL: tl.constexpr):
+                           EVEN: tl.constexpr, FIX_K: tl.constexpr, DEPTH: tl.constexpr):
     """Grid ``(M, SPLIT, cdiv(N, BLOCK_N * ROW_BLOCKS))``: row of ``x``, slice of ``K``, run of weight rows.
 
     INT4 (FMT 1): a slice is ``G`` groups of ``WG`` words (8 codes each); scales and zero points ``(N, groups)``.
     INT8 (FMT 0): a slice is ``WG`` words (4 codes each, ``G`` = 1); one scale per output row. ``EVEN``: every
-    slice is whole (``KW`` a multiple of ``G * WG``), so word loads need no per-column mask. ``PDL``: launched
-    early ([Note: early launch])."""
-    if PDL:
-        gdc_wait()
+    slice is whole (``KW`` a multiple of ``G * WG``), so word loads need no per-column mask."""
     pid_m, pid_k, pid_r, word, live, x_row = _program_slice(x_ptr, stride_xm, KW, G, WG)
     x0, x1, x2, x3, x4, x5, x6, x7, x_sum = _x_slice(x_row, word, live, FMT)
     n1 = tl.arange(0, BLOCK_N)
@@ -268,12 +250,10 @@ def stationary_tma_kernel(x_ptr, w_desc, s_ptr, z_ptr, part_ptr, count_ptr, out_
                           stride_xm, stride_sn, stride_om,
                           FMT: tl.constexpr, HAS_ZEROS: tl.constexpr, G: tl.constexpr, WG: tl.constexpr,
                           BLOCK_N: tl.constexpr, ROW_BLOCKS: tl.constexpr, PARTIAL: tl.constexpr,
-                          FIX_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+                          FIX_K: tl.constexpr, STAGES: tl.constexpr):
     """``stationary_gemv_kernel`` with the weight words brought in by the tensor memory accelerator
     ([Note: TMA weight stream]): ``w_desc`` describes the words as ``(N, KW / WG, WG)`` in blocks of
     ``(BLOCK_N, G, WG)``; grid, workspace and results as there."""
-    if PDL:
-        gdc_wait()
     pid_m, pid_k, pid_r, word, live, x_row = _program_slice(x_ptr, stride_xm, KW, G, WG)
     x0, x1, x2, x3, x4, x5, x6, x7, x_sum = _x_slice(x_row, word, live, FMT)
     n1 = tl.arange(0, BLOCK_N)

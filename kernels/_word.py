@@ -48,7 +48,6 @@ CUDA graph before the workspace exists uses atomics.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -473,8 +472,7 @@ def run_stationary(x, words, s, z, c: WordConfig, *, fmt: int, group: int, n: in
             x, desc, s, zz, partials, counters, out, m, n, kw, c.split_k,
             x.stride(0), s.stride(0) if s.dim() > 1 else 1, out.stride(0),
             FMT=fmt, HAS_ZEROS=z is not None, G=c.block_w // wg, WG=wg, BLOCK_N=c.block_n, ROW_BLOCKS=c.row_blocks,
-            PARTIAL=c.split_k > 1, FIX_K=fix_k, STAGES=c.stages, num_warps=c.warps, num_stages=c.stages,
-            **_early(x))
+            PARTIAL=c.split_k > 1, FIX_K=fix_k, STAGES=c.stages, num_warps=c.warps, num_stages=c.stages)
         return out
     # (a TMA config on words that TMA cannot read runs here, with the same tile)
     _stationary_kernels().stationary_gemv_kernel[(m, c.split_k, runs)](
@@ -482,33 +480,8 @@ def run_stationary(x, words, s, z, c: WordConfig, *, fmt: int, group: int, n: in
         x.stride(0), words.stride(0), s.stride(0) if s.dim() > 1 else 1, out.stride(0),
         FMT=fmt, HAS_ZEROS=z is not None, G=c.block_w // wg, WG=wg, BLOCK_N=c.block_n, ROW_BLOCKS=c.row_blocks,
         PARTIAL=c.split_k > 1, EVEN=kw % c.block_w == 0, FIX_K=fix_k, DEPTH=1 if c.tma else c.prefetch,
-        num_warps=c.warps, **_early(x))
+        num_warps=c.warps)
     return out
-
-
-def _early(x: torch.Tensor) -> dict:
-    """The x-stationary kernels' launch options for [Note: early launch] in ``_stationary_kernels``."""
-    return {"PDL": True, "launch_pdl": True} if pdl_ok(x.device) else {"PDL": False}
-
-
-def pdl_ok(device: torch.device) -> bool:
-    """Whether kernels on ``device`` launch early ([Note: early launch]): a Hopper or newer GPU, a Triton with
-    grid dependency control, and ``ZSPEED_EARLY_LAUNCH`` not ``0``."""
-    if device.type != "cuda" or interpreting() or os.environ.get("ZSPEED_EARLY_LAUNCH", "1") == "0":
-        return False
-    return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _pdl_supported(index: int) -> bool:
-    if torch.cuda.get_device_capability(index)[0] < 9:
-        return False
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-        from triton.language.extra.cuda import gdc_wait  # noqa: F401
-    except ImportError:
-        return False
-    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
 def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> torch.Tensor:
