@@ -4,6 +4,8 @@
     python benchmarks/bench_decode.py --dry-run     # CPU, 2 tiny layers: checks the script only
     python benchmarks/bench_decode.py --compile     # every system's decode step through torch.compile first
     python benchmarks/bench_decode.py --compile --head --profile   # + INT4 with lm_head quantized; GPU time by kernel
+    python benchmarks/bench_decode.py --compile --fuse             # + bf16 and INT4 with q/k/v and gate/up fused
+    python benchmarks/bench_decode.py --compile --systems bf16,zspeed-int4+head+fused   # just these
 
 Hugging Face ``LlamaForCausalLM`` of the Llama-3-8B shape (hidden 4096, FFN 14336,
 32 heads, 8 KV heads, vocabulary 128,256), random bf16 weights, a ``StaticCache``;
@@ -22,7 +24,9 @@ weights (relative error printed); the greedy tokens are compared with bf16's too
 opt-in through ``exclude=("*embed*",)``, reported beside the default, not instead of it). ``--profile`` runs
 16 steps of each system one launch at a time under the profiler and prints their GPU time per token by kernel kind
 (zspeed's matmuls, cuBLAS, attention, Inductor's fused kernels, other) beside the graph's time per token: the
-difference is about the time the GPU idles between kernels in the graph.
+difference is about the time the GPU idles between kernels in the graph. ``--fuse`` adds bf16 and INT4 (and with
+``--head`` INT4 + head) with sibling projections fused (``zspeed.compress.fuse_projections``: q/k/v and gate/up,
+one matmul each); fused INT4 is also reported over fused bf16. ``--systems`` runs only the named systems.
 """
 from __future__ import annotations
 
@@ -288,19 +292,17 @@ def main() -> int:
             rows[-1]["logits_rel_err_vs_dequantized"] = err
             print(f"{name}: one-token logits vs the dequantized bf16 model: relative error {err:.2e} "
                   f"({'ok' if err < 5e-2 else 'CHECK FAILED: a kernel computes something else'})", flush=True)
-        if q is not model:
-            del q
+        del q  # (the name only: bf16 systems share ``model``)
         if device == "cuda":
             torch.cuda.empty_cache()
     base = rows[0]
-    bases = {r["system"]: r for r in rows if not SYSTEMS[r["system"]][0]}  # bf16 and bf16+fused
+    fused_base = next((r for r in rows if r["system"] == "bf16+fused"), None)
     for r in rows[1:]:
         agree = sum(a == b for a, b in zip(r["ids"], base["ids"])) / len(base["ids"])
         r["speedup_vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
         r["token_agreement"] = agree
-        like = bases.get("bf16+fused") if SYSTEMS[r["system"]][2] else None
-        if like is not None and like is not r:
-            r["speedup_vs_bf16_fused"] = r["tokens_per_s"] / like["tokens_per_s"]
+        if SYSTEMS[r["system"]][2] and fused_base is not None and fused_base is not r:
+            r["speedup_vs_bf16_fused"] = r["tokens_per_s"] / fused_base["tokens_per_s"]
         also = f", {r['speedup_vs_bf16_fused']:.2f}x bf16+fused" if "speedup_vs_bf16_fused" in r else ""
         print(f"{r['system']}: {r['tokens_per_s']:.1f} tok/s vs bf16 {base['tokens_per_s']:.1f}: "
               f"{r['speedup_vs_bf16']:.2f}x{also} (greedy agreement {agree:.2f})", flush=True)
