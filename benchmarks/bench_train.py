@@ -111,6 +111,10 @@ def build(system: str, args, model, device):
     """Return step(batch) -> loss for ``system``."""
     import torch
     system, *variants = system.split("@")
+    if "closs" in variants:  # @closs, any system: the loss chunk by chunk (zspeed.train.chunked_loss), same loss
+        from zspeed.train.chunked_loss import chunk_lm_loss
+        chunk_lm_loss(model)
+        variants.remove("closs")
     stage = int(system.split("-z")[1][0]) if "-z" in system else 0
     offload = "-offload" in system
     if system.startswith("zspeed"):
@@ -349,7 +353,8 @@ def main() -> None:
     ap.add_argument("--profile", metavar="DIR", help="torch-profile the last two steps on rank 0 and write the chrome "
                     "trace to DIR/<system>-rank0.json.gz; slows the steps")
     ap.add_argument("--system", type=_system, help="one of SYSTEMS; -dev systems may end in @pfN (offload_optimizer."
-                    "prefetch_depth = N) and @rF (offload_optimizer.ratio = F), e.g. zspeed-z3-offload-devfwd@r0.6")
+                    "prefetch_depth = N) and @rF (offload_optimizer.ratio = F), e.g. zspeed-z3-offload-devfwd@r0.6; "
+                    "any system may end in @closs (the loss chunk by chunk, zspeed.train.chunked_loss)")
     ap.add_argument("--host-threads", type=int, default=0,
                     help="zspeed offload systems: offload_optimizer.host_threads (0 = zspeed's auto)")
     ap.add_argument("--device-share", type=float, default=0.75,
@@ -375,6 +380,8 @@ def main() -> None:
 def _system(name: str) -> str:
     base, *variants = name.split("@")
 
+    variants = [v for v in variants if v != "closs"]  # @closs: any system
+
     def known(v: str) -> bool:
         if v[:2] == "pf":
             return v[2:].isdigit()
@@ -387,7 +394,7 @@ def _system(name: str) -> str:
                                                  and all(map(known, variants)))):
         raise argparse.ArgumentTypeError(f"unknown system {name!r}: use one of {SYSTEMS}; a -dev system may end "
                                          "in @pfN (prefetch depth) and/or @rF (offload_optimizer.ratio), "
-                                         "deepspeed-z3-offload in @rF")
+                                         "deepspeed-z3-offload in @rF; any system in @closs (chunked loss)")
     return name
 
 

@@ -168,6 +168,17 @@ def test_single_process_run_logs_plots_and_exports(single_run, corpus_file):
     assert loss.item() == pytest.approx(evals[-1]["eval_loss"], rel=1e-5)
 
 
+def test_unchunked_loss_trains_the_same(single_run, corpus_file, tmp_path):
+    """The default chunked loss (zspeed.train.chunked_loss) and the model's own loss train alike."""
+    out = tmp_path / "unchunked"
+    assert cli.main([*RUN_ARGS, "--data", str(corpus_file), "--out", str(out), "--no-export", "--unchunked-loss"]) == 0
+    assert records(single_run, "start")[0]["chunked_loss"] and not records(out, "start")[0]["chunked_loss"]
+    assert [r["loss"] for r in records(out, "train")] == pytest.approx(
+        [r["loss"] for r in records(single_run, "train")], rel=1e-5)
+    assert [r["eval_loss"] for r in records(out, "eval")] == pytest.approx(
+        [r["eval_loss"] for r in records(single_run, "eval")], rel=1e-5)
+
+
 def test_two_processes_through_torchrun_match_one_process(single_run, corpus_file, tmp_path):
     """--nproc 2 re-executes through torchrun; the same global batches give the same losses (ZeRO-2, gloo)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",

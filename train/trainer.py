@@ -16,6 +16,7 @@ import math
 import resource
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,7 @@ class TrainPlan:
     out: Path
     export: bool = True
     lora: LoraSpec | None = None  # train adapters only (see zspeed.train.lora)
+    chunked_loss: bool = True  # the loss chunk by chunk, without the full logits (zspeed.train.chunked_loss)
 
 
 def train(plan: TrainPlan, topo: Topology) -> dict[str, Any]:
@@ -75,6 +77,7 @@ def train(plan: TrainPlan, topo: Topology) -> dict[str, Any]:
     cfg, total_steps = _resolve_config(plan, topo.world_size, len(splits.train))
     model = build_model(plan.model, plan.tokenizer, seed=plan.seed)
     hf_config = json.loads(model.config.to_json_string())
+    chunked = plan.chunked_loss and _chunk_loss(model)
     if plan.lora is not None:  # before initialize: the engine keeps the frozen base in non-trainable groups
         model = apply_lora(model, plan.lora, seed=plan.seed)
 
@@ -91,7 +94,7 @@ def train(plan: TrainPlan, topo: Topology) -> dict[str, Any]:
               micro_batch=cfg.train_micro_batch_size_per_gpu, gradient_accumulation=cfg.gradient_accumulation_steps,
               total_steps=total_steps, start_step=engine.global_steps, data=splits.stats,
               tokenizer=tokenizer_summary(plan.tokenizer), seed=plan.seed,
-              lora=plan.lora.to_dict() if plan.lora is not None else None)
+              lora=plan.lora.to_dict() if plan.lora is not None else None, chunked_loss=chunked)
     loop = _Loop(plan=plan, topo=topo, engine=engine, splits=splits, log=log, total_steps=total_steps)
     summary = loop.run(sampler, cursor)
     if plan.export:
@@ -100,6 +103,18 @@ def train(plan: TrainPlan, topo: Topology) -> dict[str, Any]:
         plot_losses(plan.out / LOG_FILE, plan.out / PLOT_FILE, title=f"ztrain {plan.model.name}")
     log.write("end", **summary)
     return summary
+
+
+def _chunk_loss(model) -> bool:
+    """The training loss without the full logits where the model allows it (evaluation reads the logits)."""
+    from .chunked_loss import chunk_lm_loss
+
+    try:
+        chunk_lm_loss(model)
+    except ValueError as err:
+        warnings.warn(f"ztrain: training with the model's own loss (full logits): {err}", stacklevel=2)
+        return False
+    return True
 
 
 def _resolve_config(plan: TrainPlan, world: int, train_rows: int):
