@@ -145,7 +145,8 @@ def chunk_lm_loss(model: nn.Module, config: ChunkedLossConfig = ChunkedLossConfi
         raise ValueError("chunk_lm_loss: the model's loss is already chunked")
     for name in ("get_decoder", "get_output_embeddings"):
         if not callable(getattr(model, name, None)):
-            raise ValueError(f"chunk_lm_loss needs a Hugging Face causal LM (with {name}()), got {type(model).__name__}")
+            raise ValueError(f"chunk_lm_loss needs a Hugging Face causal LM (with {name}()), "
+                             f"got {type(model).__name__}")
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear):
         raise ValueError(f"chunk_lm_loss: the output head must be an nn.Linear, got {type(head).__name__}")
