@@ -34,6 +34,18 @@ of two change no rounding, and ``s`` (fp16 or bf16) stays a normal fp32 number. 
 16 rows ran 2-7 % faster, at 64 rows -3 % to +6 %; INT8 (fields 0-1 in place, 2-3 shifted) ran 5-10 % slower
 at 64 and 256 rows, so INT8 keeps the shift-and-mask form.
 
+[Note: packed INT4 dequantization] ``PACKED`` (INT4 into bf16 or fp16, scales in that dtype, on the
+GPU) dequantizes two words at a time in 16-bit pairs, with inline PTX instead of fp32 arithmetic. One
+``prmt`` puts the low half-words of the two words side by side (fields 0-3 of each), another the high
+halves (fields 4-7); a field then takes a shift and one ``lop3`` that masks both of its copies and ORs
+in the exponent of 128 (bf16 ``0x4300``; fp16 1024, ``0x6400``), giving ``128 + q`` exactly in each
+half. ``sub.rn.bf16x2`` with ``128 + z`` leaves ``q - z`` exactly (integers of at most 8 significant
+bits), and ``mul.rn.bf16x2`` by the scale rounds once: the exact product of two 8-bit significands fits
+in fp32, so this is the value the fp32 path rounds to ``x``'s dtype, bit for bit. Per pair of fields the
+fp32 path spends a LOP3, two FADD/FMUL each and a conversion; this one a LOP3 (and a shift), a SUB and a
+MUL, all on two values. The interpreter runs no PTX, so CPU tests cover the fp32 path only; the GPU
+checks (``benchmarks/gemv_check.py``) compare this one with the reference.
+
 [Note: swap-AB] Hopper's ``wgmma`` takes 64 rows per warp group on its M side and 8..256 on its N
 side. With a few rows of ``x`` on the M side (``acc[BM, BN] = x @ w^T``) a 16-row tile is padded
 to 64. ``SWAP`` computes the transpose instead, ``acc^T[BN, BM] = w @ x^T``: the weight rows fill
@@ -46,6 +58,26 @@ import triton
 import triton.language as tl
 
 from ._word_kernels import _as_float, _group_scale, _load_words, _mma_fixup, _mma_program, _mma_store
+
+
+def _packed_asm(magic: str, pair: str) -> str:
+    """The PTX of [Note: packed INT4 dequantization]: ``$0``-``$7`` are fields 0-7 of words a (``$8``) and b
+    (``$9``), a's in the low half; ``$10`` the scales and ``$11`` ``128 + z`` (1024 for fp16), as pairs."""
+    lines = ["{", ".reg .b32 lo, hi, t;", "prmt.b32 lo, $8, $9, 0x5410;", "prmt.b32 hi, $8, $9, 0x7632;"]
+    for j in range(8):
+        src, shift = ("lo" if j < 4 else "hi"), 4 * (j % 4)
+        if shift:
+            lines.append(f"shr.u32 t, {src}, {shift};")
+            src = "t"
+        lines.append(f"lop3.b32 ${j}, {src}, 0x000f000f, {magic}, 0xea;")  # 0xea: (a & b) | c
+    lines += [f"sub.rn.{pair} ${j}, ${j}, $11;" for j in range(8)]
+    lines += [f"mul.rn.{pair} ${j}, ${j}, $10;" for j in range(8)]
+    return "\n".join(lines + ["}"])
+
+
+_ASM_BF16 = tl.constexpr(_packed_asm("0x43004300", "bf16x2"))
+_ASM_F16 = tl.constexpr(_packed_asm("0x64006400", "f16x2"))
+_ASM_IO = tl.constexpr(",".join(["=r"] * 8 + ["r"] * 4))
 
 
 @triton.jit
@@ -63,6 +95,34 @@ def _field(w, j: tl.constexpr, s, z, BITS: tl.constexpr):
 def _field_at(src, pos: tl.constexpr, s, z, BITS: tl.constexpr):
     """The field at bits ``pos`` of ``src`` (``pos + BITS <= 23``), ``(code - z) * s`` in fp32."""
     return (_as_float(src & (((1 << BITS) - 1) << pos)) - (8388608.0 + z * (1 << pos))) * (s / (1 << pos))
+
+
+@triton.jit
+def _packed_fields(w, s, z, HALF16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Fields 0-7 of every INT4 word ``(BN, BW)``, ``(q - z) * s`` in bf16 (or fp16 with ``HALF16``), two
+    words per PTX block ([Note: packed INT4 dequantization]); ``s`` and ``z`` as ``_group_scale`` gives them."""
+    if HALF16:
+        s2 = tl.broadcast_to(s, (BLOCK_N, BLOCK_W)).to(tl.float16)
+        zz = tl.broadcast_to(z + 1024.0, (BLOCK_N, BLOCK_W)).to(tl.float16)
+        return tl.inline_asm_elementwise(_ASM_F16, _ASM_IO, [w, s2, zz], dtype=(tl.float16,) * 8, is_pure=True,
+                                         pack=2)
+    else:
+        s2 = tl.broadcast_to(s, (BLOCK_N, BLOCK_W)).to(tl.bfloat16)
+        zz = tl.broadcast_to(z + 128.0, (BLOCK_N, BLOCK_W)).to(tl.bfloat16)
+        return tl.inline_asm_elementwise(_ASM_BF16, _ASM_IO, [w, s2, zz], dtype=(tl.bfloat16,) * 8, is_pure=True,
+                                         pack=2)
+
+
+@triton.jit
+def _dequant_tile_packed(w, s_ptr, z_ptr, offs_n, nmask, col0, stride_sn, K, GROUP: tl.constexpr,
+                         HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, HALF16: tl.constexpr):
+    """INT4 words ``(BN, BW)`` → the dequantized tile ``(BN, 8 * BW)`` in natural order (``ORDER`` 3), in bf16 (or
+    fp16 with ``HALF16``), bit for bit ``_dequant_tile``'s ([Note: packed INT4 dequantization])."""
+    s, z = _group_scale(s_ptr, z_ptr, offs_n, nmask, col0, tl.arange(0, BLOCK_W), stride_sn, K, 8, GROUP, BLOCK_W,
+                        HAS_ZEROS)
+    f0, f1, f2, f3, f4, f5, f6, f7 = _packed_fields(w, s, z, HALF16, BLOCK_N, BLOCK_W)
+    return tl.interleave(tl.interleave(tl.interleave(f0, f4), tl.interleave(f2, f6)),
+                         tl.interleave(tl.interleave(f1, f5), tl.interleave(f3, f7)))
 
 
 @triton.jit
@@ -136,7 +196,7 @@ def wmma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M, N, 
                 FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, ATOMIC: tl.constexpr,
                 FIXUP: tl.constexpr, DOT_F32: tl.constexpr, CPW: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN_W: tl.constexpr, ORDER: tl.constexpr,
-                SWAP: tl.constexpr):
+                SWAP: tl.constexpr, PACKED: tl.constexpr = 0):
     """INT8 / INT4 GEMM on tensor cores, one dot of depth ``CPW * BLOCK_W`` per tile of words
     ([Note: full-depth wdot]), optionally transposed ([Note: swap-AB]). Grid ``(cdiv(M, BM), cdiv(N, BN),
     SPLIT_K)``; where ``K`` is split, each of the ``SPLIT_K`` programs adds its tile's sum in fp32 (``ATOMIC``)
@@ -149,8 +209,12 @@ def wmma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M, N, 
     for t in range(t_lo, t_hi):
         w = _load_words(w_ptr, offs_n, N, t, t_hi, KW, stride_wn, BLOCK_W, EVEN_W)  # (BN, BW) int32
         x = _x_tile(x_ptr, offs_m, mmask, t, K, KW, stride_xm, CPW, BLOCK_W, EVEN_W, ORDER)  # (BM, BK)
-        wt = _dequant_tile(w, s_ptr, z_ptr, offs_n, nmask, t * BLOCK_W * CPW, stride_sn, K, FMT, GROUP, HAS_ZEROS,
-                           CPW, BLOCK_N, BLOCK_W, ORDER).to(x.dtype)  # (BN, BK)
+        if PACKED:  # INT4 in x's 16-bit dtype (PACKED 1: bf16, 2: fp16), natural order
+            wt = _dequant_tile_packed(w, s_ptr, z_ptr, offs_n, nmask, t * BLOCK_W * CPW, stride_sn, K, GROUP,
+                                      HAS_ZEROS, BLOCK_N, BLOCK_W, PACKED == 2)  # (BN, BK)
+        else:
+            wt = _dequant_tile(w, s_ptr, z_ptr, offs_n, nmask, t * BLOCK_W * CPW, stride_sn, K, FMT, GROUP, HAS_ZEROS,
+                               CPW, BLOCK_N, BLOCK_W, ORDER).to(x.dtype)  # (BN, BK)
         if SWAP:
             acc = _mma(wt, tl.trans(x), acc, DOT_F32)  # (BN, BM)
         else:

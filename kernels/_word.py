@@ -48,6 +48,7 @@ CUDA graph before the workspace exists uses atomics.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -516,6 +517,17 @@ def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
     return launch(_pick(key, tiles + stationary, launch))
 
 
+def packed_dequant(fmt: int, x_dtype: torch.dtype, s_dtype: torch.dtype, device_type: str) -> int:
+    """The full-depth wdot's ``PACKED`` ([Note: packed INT4 dequantization] in _wmma_kernels): 1 (bf16) or 2
+    (fp16) for INT4 with scales in ``x``'s 16-bit dtype on the GPU, else 0 (the fp32 path; the interpreter runs
+    no PTX). ``ZSPEED_PACKED_DEQUANT=0`` in the environment turns it off (for A/B timings)."""
+    if fmt != FMT_W4 or interpreting() or device_type != "cuda" or s_dtype != x_dtype:
+        return 0
+    if os.environ.get("ZSPEED_PACKED_DEQUANT", "1") == "0":
+        return 0
+    return {torch.bfloat16: 1, torch.float16: 2}.get(x_dtype, 0)
+
+
 def run_wdot(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> torch.Tensor:
     if fmt not in (FMT_W8, FMT_W4):
         raise ValueError(f"the wdot path has no kernel for format {fmt}; use gemv, tiled or dense")
@@ -523,6 +535,7 @@ def run_wdot(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
     m, kw = x.shape[0], words.shape[1]
     zz = z if z is not None else s
     candidates = wdot_candidates(fmt, m, n, kw, group, x.device)
+    packed = packed_dequant(fmt, x.dtype, s.dtype, x.device.type)  # tuned apart: its best tiles differ
     if not candidates:
         raise ValueError(f"the wdot path has no tile for groups of {group} columns (its tiles of 16 to 128 columns "
                          "must lie in one group or span whole groups); use path='splitk', 'tiled' or 'dense'")
@@ -536,7 +549,7 @@ def run_wdot(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
             kernel = _wmma_kernels().wmma_kernel
             parts, counters = ws if fixup else (out, out)
             head = (xs, words, s, zz, out, parts, counters)
-            extra = dict(ORDER=c.order, SWAP=c.swap, FIXUP=fixup)
+            extra = dict(ORDER=c.order, SWAP=c.swap, FIXUP=fixup, PACKED=packed if c.order == 3 else 0)
         else:
             kernel, head, extra = _kernels().wdot_kernel, (xs, words, s, zz, out), {}
         kernel[(cdiv(m, c.block_m), cdiv(n, c.block_n), c.split_k)](
@@ -548,5 +561,5 @@ def run_wdot(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
             num_stages=c.stages, **extra)
         return out if c.split_k == 1 or fixup else out.to(x.dtype)
 
-    key = ("wdot", fmt, group, z is not None, m_bucket(m), n, k, x.dtype)
+    key = ("wdot", fmt, group, z is not None, m_bucket(m), n, k, x.dtype) + ((f"packed{packed}",) if packed else ())
     return launch(_pick(key, candidates, launch))

@@ -1,0 +1,73 @@
+"""INT4 `wdot` (the tensor-core path for 2-511 rows) beside cuBLAS bf16, with its exactness on one-hot rows.
+
+    ZSPEED_TUNING_CACHE=0 ZSPEED_PACKED_DEQUANT=1 python benchmarks/packed_check.py [--ms 4 16 64 256]
+    ZSPEED_TUNING_CACHE=0 ZSPEED_PACKED_DEQUANT=0 python benchmarks/packed_check.py      # the fp32 path, to compare
+
+For each shape (K x N) and row count: INT4 g128 with zero points, scales in bf16 (and, on the square shape, in fp16,
+which keep the fp32 path), timed with the L2 flushed in CUDA graphs (kernels/_runtime.py graph_time_ms) beside
+``F.linear`` in bf16 in the same process. Exactness: rows of ``x`` that are one-hot pick columns of the weight, so the
+kernel's output must equal the reference's dequantized weight bit for bit ([Note: packed INT4 dequantization] in
+kernels/_wmma_kernels.py). One JSON line per cell; ``$OUT/packed_<mode>.json`` when ``OUT`` is set.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+
+from zspeed.compress import quantize_int4
+from zspeed.kernels import w4a16_matmul
+from zspeed.kernels._runtime import graph_time_ms
+
+
+def _shape(text: str) -> tuple[int, int]:
+    k, n = text.lower().split("x")
+    return int(k), int(n)
+
+
+def cell(q, w: torch.Tensor, deq: torch.Tensor, m: int, g: torch.Generator) -> dict:
+    k = w.shape[1]
+    call = lambda xx: w4a16_matmul(xx, q.qweight, q.scales, q.zeros, 128, path="wdot")  # noqa: E731
+    cols = torch.randperm(k, device="cuda", generator=g)[:m]
+    onehot = torch.zeros(m, k, device="cuda", dtype=torch.bfloat16)
+    onehot[torch.arange(m), cols] = 1
+    want = deq[:, cols].t().contiguous()
+    got = call(onehot)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    ref = x.float() @ deq.float().t()
+    err = ((call(x).float() - ref).norm() / ref.norm()).item()
+    t_q, t_b = graph_time_ms(lambda: call(x)), graph_time_ms(lambda: F.linear(x, w))
+    return dict(m=m, exact=torch.equal(got, want), ndiff=(got != want).sum().item(), rel_err=err, us=t_q * 1e3,
+                bf16_us=t_b * 1e3, speedup=t_b / t_q)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ms", type=int, nargs="*", default=[4, 16, 64, 256])
+    p.add_argument("--shapes", type=_shape, nargs="*", default=[(8192, 8192), (8192, 28672), (28672, 8192)])
+    args = p.parse_args()
+    mode = os.environ.get("ZSPEED_PACKED_DEQUANT", "1")
+    rows = []
+    for k, n in args.shapes:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+        for sdt in ([torch.bfloat16, torch.float16] if k == n else [torch.bfloat16]):
+            q = quantize_int4(w, group_size=128, scale_dtype=sdt)
+            deq = q.dequantize(torch.float32).to(torch.bfloat16)  # rounded once, as the kernels must
+            for m in args.ms:
+                row = dict(mode=mode, k=k, n=n, scales=str(sdt).removeprefix("torch."), **cell(q, w, deq, m, g))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], f"packed_{mode}.json"), "w") as f:
+            json.dump(rows, f)
+    bad = [r for r in rows if not r["exact"]]
+    if bad:
+        raise SystemExit(f"{len(bad)} cells differ from the reference bit for bit: {bad[:3]}")
+
+
+if __name__ == "__main__":
+    main()
