@@ -34,17 +34,19 @@ of two change no rounding, and ``s`` (fp16 or bf16) stays a normal fp32 number. 
 16 rows ran 2-7 % faster, at 64 rows -3 % to +6 %; INT8 (fields 0-1 in place, 2-3 shifted) ran 5-10 % slower
 at 64 and 256 rows, so INT8 keeps the shift-and-mask form.
 
-[Note: packed INT4 dequantization] ``PACKED`` (INT4 into bf16 or fp16, scales in that dtype, on the
-GPU) dequantizes two words at a time in 16-bit pairs, with inline PTX instead of fp32 arithmetic. One
-``prmt`` puts the low half-words of the two words side by side (fields 0-3 of each), another the high
-halves (fields 4-7); a field then takes a shift and one ``lop3`` that masks both of its copies and ORs
-in the exponent of 128 (bf16 ``0x4300``; fp16 1024, ``0x6400``), giving ``128 + q`` exactly in each
-half. ``sub.rn.bf16x2`` with ``128 + z`` leaves ``q - z`` exactly (integers of at most 8 significant
-bits), and ``mul.rn.bf16x2`` by the scale rounds once: the exact product of two 8-bit significands fits
-in fp32, so this is the value the fp32 path rounds to ``x``'s dtype, bit for bit. Per pair of fields the
-fp32 path spends a LOP3, two FADD/FMUL each and a conversion; this one a LOP3 (and a shift), a SUB and a
-MUL, all on two values. The interpreter runs no PTX, so CPU tests cover the fp32 path only; the GPU
-checks (``benchmarks/gemv_check.py``) compare this one with the reference.
+[Note: packed INT4 dequantization] ``PACKED`` (INT4 into bf16 or fp16, scales in that dtype, on the GPU)
+dequantizes two words at a time in 16-bit pairs, with inline PTX instead of fp32 arithmetic. One ``prmt`` puts
+the low half-words of the two words side by side (fields 0-3 of each), another the high halves (fields 4-7); a
+field then takes a shift and one ``lop3`` that masks both of its copies and ORs in the exponent of 128 (bf16
+``0x4300``; fp16 1024, ``0x6400``), giving ``128 + q`` exactly in each half. ``sub.rn.bf16x2`` with ``128 + z``
+leaves ``q - z`` exactly (integers of at most 8 significant bits), and ``mul.rn.bf16x2`` by the scale
+rounds once: the exact product of two 8-bit significands fits in fp32, so this is the value the fp32 path
+rounds to ``x``'s dtype, bit for bit. Per pair of fields the fp32 path spends a LOP3, two FADD/FMUL each and a
+conversion; this one a LOP3 (and a shift), a SUB and a MUL, all on two values. ``SCALES_AHEAD`` (tuned, from
+64 rows) loads each tile's scales and zero points one tile ahead, in registers: on an H100 it gained 6-9 % at
+64 rows on two shapes of three, lost 4 % on the third and 6-14 % at 4-16 rows (benchmarks/RESULTS.md, kernels
+run 37). The interpreter runs no PTX, so CPU tests cover the fp32 path only; the GPU checks
+(``benchmarks/packed_check.py``) compare this one with the reference.
 
 [Note: swap-AB] Hopper's ``wgmma`` takes 64 rows per warp group on its M side and 8..256 on its N
 side. With a few rows of ``x`` on the M side (``acc[BM, BN] = x @ w^T``) a 16-row tile is padded
@@ -114,12 +116,10 @@ def _packed_fields(w, s, z, HALF16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W
 
 
 @triton.jit
-def _dequant_tile_packed(w, s_ptr, z_ptr, offs_n, nmask, col0, stride_sn, K, GROUP: tl.constexpr,
-                         HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, HALF16: tl.constexpr):
+def _dequant_tile_packed(w, s, z, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, HALF16: tl.constexpr):
     """INT4 words ``(BN, BW)`` → the dequantized tile ``(BN, 8 * BW)`` in natural order (``ORDER`` 3), in bf16 (or
-    fp16 with ``HALF16``), bit for bit ``_dequant_tile``'s ([Note: packed INT4 dequantization])."""
-    s, z = _group_scale(s_ptr, z_ptr, offs_n, nmask, col0, tl.arange(0, BLOCK_W), stride_sn, K, 8, GROUP, BLOCK_W,
-                        HAS_ZEROS)
+    fp16 with ``HALF16``), bit for bit ``_dequant_tile``'s ([Note: packed INT4 dequantization]); ``s`` and ``z``
+    from ``_group_scale``."""
     f0, f1, f2, f3, f4, f5, f6, f7 = _packed_fields(w, s, z, HALF16, BLOCK_N, BLOCK_W)
     return tl.interleave(tl.interleave(tl.interleave(f0, f4), tl.interleave(f2, f6)),
                          tl.interleave(tl.interleave(f1, f5), tl.interleave(f3, f7)))
@@ -196,7 +196,7 @@ def wmma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M, N, 
                 FMT: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, ATOMIC: tl.constexpr,
                 FIXUP: tl.constexpr, DOT_F32: tl.constexpr, CPW: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN_W: tl.constexpr, ORDER: tl.constexpr,
-                SWAP: tl.constexpr, PACKED: tl.constexpr = 0):
+                SWAP: tl.constexpr, PACKED: tl.constexpr = 0, SCALES_AHEAD: tl.constexpr = False):
     """INT8 / INT4 GEMM on tensor cores, one dot of depth ``CPW * BLOCK_W`` per tile of words
     ([Note: full-depth wdot]), optionally transposed ([Note: swap-AB]). Grid ``(cdiv(M, BM), cdiv(N, BN),
     SPLIT_K)``; where ``K`` is split, each of the ``SPLIT_K`` programs adds its tile's sum in fp32 (``ATOMIC``)
@@ -206,12 +206,21 @@ def wmma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M, N, 
         acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if SCALES_AHEAD:  # [Note: packed INT4 dequantization]: the first tile's scales and zero points, loaded ahead
+        s_next, z_next = _group_scale(s_ptr, z_ptr, offs_n, nmask, t_lo * BLOCK_W * CPW, tl.arange(0, BLOCK_W),
+                                      stride_sn, K, CPW, GROUP, BLOCK_W, HAS_ZEROS)
     for t in range(t_lo, t_hi):
         w = _load_words(w_ptr, offs_n, N, t, t_hi, KW, stride_wn, BLOCK_W, EVEN_W)  # (BN, BW) int32
         x = _x_tile(x_ptr, offs_m, mmask, t, K, KW, stride_xm, CPW, BLOCK_W, EVEN_W, ORDER)  # (BM, BK)
         if PACKED:  # INT4 in x's 16-bit dtype (PACKED 1: bf16, 2: fp16), natural order
-            wt = _dequant_tile_packed(w, s_ptr, z_ptr, offs_n, nmask, t * BLOCK_W * CPW, stride_sn, K, GROUP,
-                                      HAS_ZEROS, BLOCK_N, BLOCK_W, PACKED == 2)  # (BN, BK)
+            if SCALES_AHEAD:
+                s_t, z_t = s_next, z_next
+                s_next, z_next = _group_scale(s_ptr, z_ptr, offs_n, nmask, tl.minimum(t + 1, t_hi - 1) * BLOCK_W * CPW,
+                                              tl.arange(0, BLOCK_W), stride_sn, K, CPW, GROUP, BLOCK_W, HAS_ZEROS)
+            else:
+                s_t, z_t = _group_scale(s_ptr, z_ptr, offs_n, nmask, t * BLOCK_W * CPW, tl.arange(0, BLOCK_W),
+                                        stride_sn, K, CPW, GROUP, BLOCK_W, HAS_ZEROS)
+            wt = _dequant_tile_packed(w, s_t, z_t, BLOCK_N, BLOCK_W, PACKED == 2)  # (BN, BK)
         else:
             wt = _dequant_tile(w, s_ptr, z_ptr, offs_n, nmask, t * BLOCK_W * CPW, stride_sn, K, FMT, GROUP, HAS_ZEROS,
                                CPW, BLOCK_N, BLOCK_W, ORDER).to(x.dtype)  # (BN, BK)

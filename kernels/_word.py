@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -84,6 +84,8 @@ class WordConfig:
     swap: bool = False  # full_depth: acc^T = w @ x^T, weight rows on the MMA's M side ([Note: swap-AB])
     tma: bool = False  # x-stationary (INT4 tuned, INT8 runs): words through TMA, ``stages - 1`` blocks in flight
     # in shared memory ([Note: TMA weight stream] in _stationary_kernels)
+    scales_ahead: bool = False  # full_depth, packed INT4: each tile's scales and zero points loaded a tile ahead
+    # ([Note: packed INT4 dequantization] in _wmma_kernels)
     fixup: bool = False  # full_depth with split_k > 1: partials summed by each tile's last program, not fp32
     # atomics into a zeroed buffer ([Note: split-K fix-up])
 
@@ -308,9 +310,11 @@ def _splits(progs: int, tiles: int, sms: int, waves: tuple[int, ...] = (1,)) -> 
     return sorted(out)
 
 
-def full_depth_candidates(fmt: int, m: int, n: int, kw: int, group: int, device: torch.device) -> list[WordConfig]:
+def full_depth_candidates(fmt: int, m: int, n: int, kw: int, group: int, device: torch.device,
+                          packed: int = 0) -> list[WordConfig]:
     """Full-depth wdot configs ([Note: full-depth wdot]): one row block for up to 64 rows, else blocks of 128 or
-    256 rows; split-K to fill the GPU once or four times over."""
+    256 rows; split-K to fill the GPU once or four times over. With ``packed`` (``packed_dequant``), from 64 rows
+    each config also with its scales loaded a tile ahead (``scales_ahead``)."""
     bw = _full_block_w(fmt, group)
     if bw is None:
         return []
@@ -325,6 +329,8 @@ def full_depth_candidates(fmt: int, m: int, n: int, kw: int, group: int, device:
         for sp in _splits(cdiv(m, bm) * cdiv(n, bn), cdiv(kw, bw), sms, (1, 4)):
             fixup = sp > 1 and _fixup_fits(m, n, sp, bm, bn)  # [Note: split-K fix-up]: never slower than atomics
             out.append(WordConfig(bm, bn, bw, sp, warps, stages, full_depth=True, order=3, swap=swap, fixup=fixup))
+    if packed and mb >= 64:
+        out += [replace(c, scales_ahead=True) for c in out]
     return out
 
 
@@ -340,9 +346,10 @@ def _workspace_fits(partials: int, counters: int) -> bool:
     return partials <= STATIONARY_WORKSPACE and counters <= WORKSPACE_COUNTERS
 
 
-def wdot_candidates(fmt: int, m: int, n: int, kw: int, group: int, device: torch.device) -> list[WordConfig]:
+def wdot_candidates(fmt: int, m: int, n: int, kw: int, group: int, device: torch.device,
+                    packed: int = 0) -> list[WordConfig]:
     """The full-depth kernel's configs first (the interpreter runs the first), then the per-plane kernel's."""
-    full = full_depth_candidates(fmt, m, n, kw, group, device)
+    full = full_depth_candidates(fmt, m, n, kw, group, device, packed)
     bw = 16 if fmt == FMT_W4 else 32  # INT4: 16 words = 128 columns (one g128 group); INT8: 32 words = 128 columns
     if not _group_ok(fmt, bw, group, kw):
         return full  # the per-plane kernel's 128-column tiles would straddle groups (e.g. g192)
@@ -534,8 +541,8 @@ def run_wdot(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
     _check_groups("wdot", fmt, group)
     m, kw = x.shape[0], words.shape[1]
     zz = z if z is not None else s
-    candidates = wdot_candidates(fmt, m, n, kw, group, x.device)
     packed = packed_dequant(fmt, x.dtype, s.dtype, x.device.type)  # tuned apart: its best tiles differ
+    candidates = wdot_candidates(fmt, m, n, kw, group, x.device, packed)
     if not candidates:
         raise ValueError(f"the wdot path has no tile for groups of {group} columns (its tiles of 16 to 128 columns "
                          "must lie in one group or span whole groups); use path='splitk', 'tiled' or 'dense'")
@@ -549,7 +556,8 @@ def run_wdot(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
             kernel = _wmma_kernels().wmma_kernel
             parts, counters = ws if fixup else (out, out)
             head = (xs, words, s, zz, out, parts, counters)
-            extra = dict(ORDER=c.order, SWAP=c.swap, FIXUP=fixup, PACKED=packed if c.order == 3 else 0)
+            extra = dict(ORDER=c.order, SWAP=c.swap, FIXUP=fixup, PACKED=packed if c.order == 3 else 0,
+                         SCALES_AHEAD=bool(c.scales_ahead and packed and c.order == 3))
         else:
             kernel, head, extra = _kernels().wdot_kernel, (xs, words, s, zz, out), {}
         kernel[(cdiv(m, c.block_m), cdiv(n, c.block_n), c.split_k)](
