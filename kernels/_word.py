@@ -282,8 +282,10 @@ def stationary_candidates(fmt: int, m: int, n: int, kw: int, group: int, device:
 
 
 # (BM, BN, warps, stages, swap) of the full-depth wdot; order 3 (interleaved natural order) throughout: on an H100
-# it beat the reshaped and the plane orders at every M timed (8192x8192, M = 16, 64, 256), the per-plane kernel too
+# it beat the reshaped and the plane orders at every M timed (8192x8192, M = 16, 64, 256), the per-plane kernel too.
+# The 16 x 32 tile (more programs per SM) was chosen for 8192x28672 at 4 and 16 rows with packed INT4 (kernels run 39)
 FULL_TILES = ((16, 64, 4, 4, False), (16, 128, 4, 3, False), (16, 64, 4, 4, True), (16, 128, 4, 4, True),
+              (16, 32, 4, 4, False),
               (32, 64, 4, 4, False), (32, 128, 4, 3, False), (32, 64, 4, 4, True), (32, 128, 4, 4, True),
               (64, 64, 4, 4, True), (64, 128, 8, 3, True), (64, 128, 4, 3, False), (64, 256, 8, 3, False),
               (128, 64, 4, 3, False), (128, 128, 8, 3, False), (128, 256, 8, 3, False),
