@@ -2,8 +2,9 @@
 
     ZSPEED_TUNING_CACHE=0 ZSPEED_PACKED_DEQUANT=1 python benchmarks/packed_check.py [--ms 4 16 64 256]
     ZSPEED_TUNING_CACHE=0 ZSPEED_PACKED_DEQUANT=0 python benchmarks/packed_check.py      # the fp32 path, to compare
+    python benchmarks/packed_check.py --groups 32 64 128 --symmetric --shapes 4096x4096 --ms 16   # other grids
 
-For each shape (K x N) and row count: INT4 g128 with zero points, scales in bf16 (and, on the square shape, in fp16,
+For each shape (K x N) and row count: INT4 g128 with zero points (``--groups``, ``--symmetric``: other grids), scales in bf16 (and, on the square shape, in fp16,
 which keep the fp32 path), timed with the L2 flushed in CUDA graphs (kernels/_runtime.py graph_time_ms) beside
 ``F.linear`` in bf16 in the same process. Exactness: rows of ``x`` that are one-hot pick columns of the weight, so the
 kernel's output must equal the reference's dequantized weight bit for bit ([Note: packed INT4 dequantization] in
@@ -30,7 +31,7 @@ def _shape(text: str) -> tuple[int, int]:
 
 def cell(q, w: torch.Tensor, deq: torch.Tensor, m: int, g: torch.Generator) -> dict:
     k = w.shape[1]
-    call = lambda xx: w4a16_matmul(xx, q.qweight, q.scales, q.zeros, 128, path="wdot")  # noqa: E731
+    call = lambda xx: w4a16_matmul(xx, q.qweight, q.scales, q.zeros, q.group_size, path="wdot")  # noqa: E731
     cols = torch.randperm(k, device="cuda", generator=g)[:m]
     onehot = torch.zeros(m, k, device="cuda", dtype=torch.bfloat16)
     onehot[torch.arange(m), cols] = 1
@@ -48,17 +49,22 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ms", type=int, nargs="*", default=[4, 16, 64, 256])
     p.add_argument("--shapes", type=_shape, nargs="*", default=[(8192, 8192), (8192, 28672), (28672, 8192)])
+    p.add_argument("--groups", type=int, nargs="*", default=[128])
+    p.add_argument("--symmetric", action="store_true", help="also the symmetric grid (no zero points)")
     args = p.parse_args()
     mode = os.environ.get("ZSPEED_PACKED_DEQUANT", "1")
     rows = []
     for k, n in args.shapes:
         g = torch.Generator(device="cuda").manual_seed(0)
         w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
-        for sdt in ([torch.bfloat16, torch.float16] if k == n else [torch.bfloat16]):
-            q = quantize_int4(w, group_size=128, scale_dtype=sdt)
+        grids = [(gs, sym, sdt) for gs in args.groups for sym in ((False, True) if args.symmetric else (False,))
+                 for sdt in ([torch.bfloat16, torch.float16] if k == n else [torch.bfloat16])]
+        for group, symmetric, sdt in grids:
+            q = quantize_int4(w, group_size=group, symmetric=symmetric, scale_dtype=sdt)
             deq = q.dequantize(torch.float32).to(torch.bfloat16)  # rounded once, as the kernels must
             for m in args.ms:
-                row = dict(mode=mode, k=k, n=n, scales=str(sdt).removeprefix("torch."), **cell(q, w, deq, m, g))
+                row = dict(mode=mode, k=k, n=n, group=group, symmetric=symmetric,
+                           scales=str(sdt).removeprefix("torch."), **cell(q, w, deq, m, g))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     if os.environ.get("OUT"):

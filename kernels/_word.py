@@ -526,11 +526,15 @@ def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
     return launch(_pick(key, tiles + stationary, launch))
 
 
-def packed_dequant(fmt: int, x_dtype: torch.dtype, s_dtype: torch.dtype, device_type: str) -> int:
+def packed_dequant(fmt: int, x_dtype: torch.dtype, s_dtype: torch.dtype, device_type: str, group: int) -> int:
     """The full-depth wdot's ``PACKED`` ([Note: packed INT4 dequantization] in _wmma_kernels): 1 (bf16) or 2
-    (fp16) for INT4 with scales in ``x``'s 16-bit dtype on the GPU, else 0 (the fp32 path; the interpreter runs
-    no PTX). ``ZSPEED_PACKED_DEQUANT=0`` in the environment turns it off (for A/B timings)."""
+    (fp16) for INT4 with scales in ``x``'s 16-bit dtype on the GPU, where each tile lies in one group, else 0 (the
+    fp32 path; the interpreter runs no PTX). Tiles that span groups (32, 64) take the fp32 path: with a scale per
+    word the packed tile crashed Triton 3.6's compiler (kernels run 41). ``ZSPEED_PACKED_DEQUANT=0`` in the
+    environment turns it off (for A/B timings)."""
     if fmt != FMT_W4 or interpreting() or device_type != "cuda" or s_dtype != x_dtype:
+        return 0
+    if (_full_block_w(fmt, group) or group + 1) * CPW[fmt] > group:
         return 0
     if os.environ.get("ZSPEED_PACKED_DEQUANT", "1") == "0":
         return 0
@@ -543,7 +547,7 @@ def run_wdot(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
     _check_groups("wdot", fmt, group)
     m, kw = x.shape[0], words.shape[1]
     zz = z if z is not None else s
-    packed = packed_dequant(fmt, x.dtype, s.dtype, x.device.type)  # tuned apart: its best tiles differ
+    packed = packed_dequant(fmt, x.dtype, s.dtype, x.device.type, group)  # tuned apart: its best tiles differ
     candidates = wdot_candidates(fmt, m, n, kw, group, x.device, packed)
     if not candidates:
         raise ValueError(f"the wdot path has no tile for groups of {group} columns (its tiles of 16 to 128 columns "

@@ -40,17 +40,21 @@ def test_scales_ahead_is_offered_for_packed_int4_from_64_rows(monkeypatch):
 def test_packed_only_for_int4_with_scales_in_the_activation_dtype_on_the_gpu(monkeypatch):
     monkeypatch.setattr(_word, "interpreting", lambda: False)
     monkeypatch.delenv("ZSPEED_PACKED_DEQUANT", raising=False)
-    assert _word.packed_dequant(FMT_W4, BF16, BF16, "cuda") == 1
-    assert _word.packed_dequant(FMT_W4, F16, F16, "cuda") == 2
-    assert _word.packed_dequant(FMT_W4, BF16, F16, "cuda") == 0  # the product would round twice
-    assert _word.packed_dequant(FMT_W4, F32, F32, "cuda") == 0
-    assert _word.packed_dequant(FMT_W8, BF16, BF16, "cuda") == 0
-    assert _word.packed_dequant(FMT_W4, BF16, BF16, "cpu") == 0
+    assert _word.packed_dequant(FMT_W4, BF16, BF16, "cuda", 128) == 1
+    assert _word.packed_dequant(FMT_W4, F16, F16, "cuda", 128) == 2
+    assert _word.packed_dequant(FMT_W4, BF16, BF16, "cuda", 256) == 1  # 128-column tiles inside each group
+    assert _word.packed_dequant(FMT_W4, BF16, BF16, "cuda", 192) == 1  # 64-column tiles, inside each group
+    for group in (32, 64):  # tiles spanning groups: the fp32 path (kernels run 41)
+        assert _word.packed_dequant(FMT_W4, BF16, BF16, "cuda", group) == 0
+    assert _word.packed_dequant(FMT_W4, BF16, F16, "cuda", 128) == 0  # the product would round twice
+    assert _word.packed_dequant(FMT_W4, F32, F32, "cuda", 128) == 0
+    assert _word.packed_dequant(FMT_W8, BF16, BF16, "cuda", 128) == 0
+    assert _word.packed_dequant(FMT_W4, BF16, BF16, "cpu", 128) == 0
     monkeypatch.setenv("ZSPEED_PACKED_DEQUANT", "0")
-    assert _word.packed_dequant(FMT_W4, BF16, BF16, "cuda") == 0
+    assert _word.packed_dequant(FMT_W4, BF16, BF16, "cuda", 128) == 0
     monkeypatch.delenv("ZSPEED_PACKED_DEQUANT")
     monkeypatch.setattr(_word, "interpreting", lambda: True)
-    assert _word.packed_dequant(FMT_W4, BF16, BF16, "cuda") == 0
+    assert _word.packed_dequant(FMT_W4, BF16, BF16, "cuda", 128) == 0
 
 
 _COMPILE = r'''
