@@ -2,13 +2,14 @@
 
     ZSPEED_TUNING_CACHE=0 ZSPEED_PACKED_DEQUANT=1 python benchmarks/packed_check.py [--ms 4 16 64 256]
     ZSPEED_TUNING_CACHE=0 ZSPEED_PACKED_DEQUANT=0 python benchmarks/packed_check.py      # the fp32 path, to compare
-    python benchmarks/packed_check.py --groups 32 64 128 --symmetric --shapes 4096x4096 --ms 16   # other grids
+    python benchmarks/packed_check.py --groups 32 64 128 256 --symmetric --shapes 4096x4096  # other grids
 
-For each shape (K x N) and row count: INT4 g128 with zero points (``--groups``, ``--symmetric``: other grids), scales in bf16 (and, on the square shape, in fp16,
-which keep the fp32 path), timed with the L2 flushed in CUDA graphs (kernels/_runtime.py graph_time_ms) beside
-``F.linear`` in bf16 in the same process. Exactness: rows of ``x`` that are one-hot pick columns of the weight, so the
-kernel's output must equal the reference's dequantized weight bit for bit ([Note: packed INT4 dequantization] in
-kernels/_wmma_kernels.py). One JSON line per cell; ``$OUT/packed_<mode>.json`` when ``OUT`` is set.
+For each shape (K x N) and row count: INT4 g128 with zero points (``--groups``, ``--symmetric``: other grids),
+scales in bf16 (and, on the square shape, in fp16, which keep the fp32 path), timed with the L2 flushed in CUDA
+graphs (kernels/_runtime.py graph_time_ms) beside ``F.linear`` in bf16 in the same process. Exactness: rows of ``x``
+that are one-hot pick columns of the weight, so the kernel's output must equal the reference's dequantized weight
+bit for bit ([Note: packed INT4 dequantization] in kernels/_wmma_kernels.py). One JSON line per cell;
+``$OUT/packed_<mode>.json`` when ``OUT`` is set.
 """
 from __future__ import annotations
 

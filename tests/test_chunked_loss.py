@@ -70,6 +70,28 @@ def test_shift_labels_and_bf16():
         assert err < 2e-2, (name, err)
 
 
+def test_autocast_with_fp32_weights():
+    """Mixed precision by autocast (fp32 weights, bf16 products): the same loss and gradients as the model's own
+    loss under autocast, the head's product recomputed in bf16 in backward as in forward."""
+    ref = _llama(tied=False)
+    model = chunk_lm_loss(copy.deepcopy(ref), ChunkedLossConfig(max_chunk_bytes=4 * V * 5))
+    ids, labels = _batch(3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = ref(input_ids=ids, labels=labels).loss
+        got = model(input_ids=ids, labels=labels).loss
+        hidden = model.model(input_ids=ids).last_hidden_state.to(torch.bfloat16).detach().requires_grad_()
+        head = copy.deepcopy(model.lm_head)
+        loss16 = chunked_lm_loss(hidden, head, labels)  # bf16 hidden states, fp32 head weight
+    want.backward()
+    got.backward()
+    loss16.backward()
+    assert abs(got.item() - want.item()) < 1e-2 and abs(loss16.item() - want.item()) < 1e-2
+    assert hidden.grad.dtype == torch.bfloat16 and head.weight.grad.dtype == torch.float32
+    for (name, p), q in zip(ref.named_parameters(), model.parameters()):
+        err = (q.grad - p.grad).norm() / p.grad.norm()
+        assert err < 2e-2, (name, err)
+
+
 def test_without_labels_the_model_is_unchanged_and_transform_undoes():
     ref = _llama(tied=False)
     model = chunk_lm_loss(copy.deepcopy(ref))

@@ -68,8 +68,11 @@ class ChunkedLMLoss(torch.autograd.Function):
         rows = max(1, max_bytes // (4 * weight.shape[0]))
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        ctx.compute_dtype = hidden.dtype
         for lo in range(0, hidden.shape[0], rows):
-            logits = F.linear(hidden[lo:lo + rows], weight, bias).float()  # (n, V)
+            logits = F.linear(hidden[lo:lo + rows], weight, bias)  # (n, V), in autocast's dtype if it is on
+            ctx.compute_dtype = logits.dtype
+            logits = logits.float()
             lse[lo:lo + rows] = torch.logsumexp(logits, dim=-1)
             picked = logits.gather(1, targets[lo:lo + rows, None]).squeeze(1)
             total += ((lse[lo:lo + rows] - picked) * weights[lo:lo + rows]).sum()
@@ -89,18 +92,23 @@ class ChunkedLMLoss(torch.autograd.Function):
         grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
         grad_w = torch.empty_like(weight) if need_w else None
         grad_b = torch.empty_like(bias) if need_b else None
+        cd = ctx.compute_dtype  # the forward's product dtype (autocast's, under autocast), kept for the recompute
+        h = hidden.to(cd)
         for lo in range(0, vocab, cols):
-            w = weight[lo:lo + cols]
-            g = F.linear(hidden, w, None if bias is None else bias[lo:lo + cols]).float()  # (n, c) logits, then
-            g.sub_(lse[:, None]).exp_()  # softmax - one_hot, in place
+            w = weight[lo:lo + cols].to(cd)
+            b = None if bias is None else bias[lo:lo + cols].to(cd)
+            g = F.linear(h, w, b).float()  # (n, c): the logits again, then softmax - one_hot, in place
+            g.sub_(lse[:, None]).exp_()
             inside = (targets >= lo) & (targets < lo + w.shape[0])  # no host sync: a masked scatter
             g.scatter_add_(1, (targets - lo).clamp(0, w.shape[0] - 1)[:, None], inside.to(g.dtype).neg()[:, None])
             g.mul_(coeff)
             if need_b:
                 grad_b[lo:lo + cols] = g.sum(0)
-            g = g.to(hidden.dtype)
-            if need_w:
-                torch.mm(g.t(), hidden, out=grad_w[lo:lo + cols])  # one product over all positions, like the model
+            g = g.to(cd)
+            if need_w and grad_w.dtype == cd:
+                torch.mm(g.t(), h, out=grad_w[lo:lo + cols])  # one product over all positions, like the model
+            elif need_w:
+                grad_w[lo:lo + cols] = g.t() @ h
             if need_h:
                 grad_h += (g @ w).float()
             del g
