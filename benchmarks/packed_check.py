@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -24,10 +26,8 @@ from zspeed.compress import quantize_int4
 from zspeed.kernels import w4a16_matmul
 from zspeed.kernels._runtime import graph_time_ms
 
-
-def _shape(text: str) -> tuple[int, int]:
-    k, n = text.lower().split("x")
-    return int(k), int(n)
+sys.path.insert(0, str(Path(__file__).parent))
+from gemv_check import _shape  # noqa: E402  (the same "KxN" shape argument)
 
 
 def cell(q, w: torch.Tensor, deq: torch.Tensor, m: int, g: torch.Generator) -> dict:
