@@ -115,6 +115,10 @@ def build(system: str, args, model, device):
         from zspeed.train.chunked_loss import chunk_lm_loss
         chunk_lm_loss(model)
         variants.remove("closs")
+    if "lean" in variants:  # @lean, any system: norms and gated MLPs keep fewer activations, same gradients
+        from zspeed.train.lean_activations import lean_activations
+        print(lean_activations(model), flush=True)
+        variants.remove("lean")
     stage = int(system.split("-z")[1][0]) if "-z" in system else 0
     offload = "-offload" in system
     if system.startswith("zspeed"):
@@ -354,7 +358,8 @@ def main() -> None:
                     "trace to DIR/<system>-rank0.json.gz; slows the steps")
     ap.add_argument("--system", type=_system, help="one of SYSTEMS; -dev systems may end in @pfN (offload_optimizer."
                     "prefetch_depth = N) and @rF (offload_optimizer.ratio = F), e.g. zspeed-z3-offload-devfwd@r0.6; "
-                    "any system may end in @closs (the loss chunk by chunk, zspeed.train.chunked_loss)")
+                    "any system may end in @closs (the loss chunk by chunk, zspeed.train.chunked_loss) and @lean "
+                    "(norms and gated MLPs keep fewer activations, zspeed.train.lean_activations)")
     ap.add_argument("--host-threads", type=int, default=0,
                     help="zspeed offload systems: offload_optimizer.host_threads (0 = zspeed's auto)")
     ap.add_argument("--device-share", type=float, default=0.75,
@@ -380,7 +385,7 @@ def main() -> None:
 def _system(name: str) -> str:
     base, *variants = name.split("@")
 
-    variants = [v for v in variants if v != "closs"]  # @closs: any system
+    variants = [v for v in variants if v not in ("closs", "lean")]  # @closs, @lean: any system
 
     def known(v: str) -> bool:
         if v[:2] == "pf":
@@ -394,7 +399,8 @@ def _system(name: str) -> str:
                                                  and all(map(known, variants)))):
         raise argparse.ArgumentTypeError(f"unknown system {name!r}: use one of {SYSTEMS}; a -dev system may end "
                                          "in @pfN (prefetch depth) and/or @rF (offload_optimizer.ratio), "
-                                         "deepspeed-z3-offload in @rF; any system in @closs (chunked loss)")
+                                         "deepspeed-z3-offload in @rF; any system in @closs (chunked loss) and "
+                                         "@lean (lean activations)")
     return name
 
 

@@ -168,11 +168,16 @@ def test_single_process_run_logs_plots_and_exports(single_run, corpus_file):
     assert loss.item() == pytest.approx(evals[-1]["eval_loss"], rel=1e-5)
 
 
-def test_unchunked_loss_trains_the_same(single_run, corpus_file, tmp_path):
-    """The default chunked loss (zspeed.train.chunked_loss) and the model's own loss train alike."""
+def test_unchunked_loss_and_full_activations_train_the_same(single_run, corpus_file, tmp_path):
+    """The defaults (the chunked loss, zspeed.train.chunked_loss; lean activations, zspeed.train.lean_activations)
+    and the model's own loss and activations train alike."""
     out = tmp_path / "unchunked"
-    assert cli.main([*RUN_ARGS, "--data", str(corpus_file), "--out", str(out), "--no-export", "--unchunked-loss"]) == 0
-    assert records(single_run, "start")[0]["chunked_loss"] and not records(out, "start")[0]["chunked_loss"]
+    assert cli.main([*RUN_ARGS, "--data", str(corpus_file), "--out", str(out), "--no-export", "--unchunked-loss",
+                     "--full-activations"]) == 0
+    lean, full = records(single_run, "start")[0], records(out, "start")[0]
+    assert lean["chunked_loss"] and not full["chunked_loss"]
+    assert lean["lean_activations"]["mlps"] > 0 and lean["lean_activations"]["norms"] > 0
+    assert full["lean_activations"] is None
     assert [r["loss"] for r in records(out, "train")] == pytest.approx(
         [r["loss"] for r in records(single_run, "train")], rel=1e-5)
     assert [r["eval_loss"] for r in records(out, "eval")] == pytest.approx(

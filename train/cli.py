@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in --out")
     p.add_argument("--unchunked-loss", action="store_true", help="compute the training loss from the full logits "
                    "(the model's own loss) instead of chunk by chunk (same loss, more memory)")
+    p.add_argument("--full-activations", action="store_true", help="keep every activation the model saves for "
+                   "backward instead of recomputing norms and gated MLPs from less (same gradients, more memory)")
     p.add_argument("--no-export", action="store_true", help="do not write the Hugging Face folder at the end")
     p.add_argument("--out", default="runs/ztrain", help="output folder (default runs/ztrain)")
     p.add_argument("--nproc", type=int, default=1, help="processes on this machine (re-executes through torchrun)")
@@ -125,7 +127,8 @@ def prepare(args: argparse.Namespace, *, world_size: int):
                      hidden_size=hidden, seq_len=args.seq_len, seed=args.seed, eval_fraction=args.eval_fraction,
                      epochs=args.epochs, max_steps=args.max_steps, eval_every=args.eval_every,
                      save_every=args.save_every, resume=resume, out=out, export=not args.no_export,
-                     lora=lora, chunked_loss=not args.unchunked_loss)
+                     lora=lora, chunked_loss=not args.unchunked_loss,
+                     lean_activations=not args.full_activations)
 
 
 def _check_numbers(args: argparse.Namespace) -> None:

@@ -66,6 +66,7 @@ class TrainPlan:
     export: bool = True
     lora: LoraSpec | None = None  # train adapters only (see zspeed.train.lora)
     chunked_loss: bool = True  # the loss chunk by chunk, without the full logits (zspeed.train.chunked_loss)
+    lean_activations: bool = True  # norms and gated MLPs recompute, same gradients (zspeed.train.lean_activations)
 
 
 def train(plan: TrainPlan, topo: Topology) -> dict[str, Any]:
@@ -78,6 +79,7 @@ def train(plan: TrainPlan, topo: Topology) -> dict[str, Any]:
     model = build_model(plan.model, plan.tokenizer, seed=plan.seed)
     hf_config = json.loads(model.config.to_json_string())
     chunked = plan.chunked_loss and _chunk_loss(model)
+    lean = _lean(model) if plan.lean_activations else None
     if plan.lora is not None:  # before initialize: the engine keeps the frozen base in non-trainable groups
         model = apply_lora(model, plan.lora, seed=plan.seed)
 
@@ -94,7 +96,8 @@ def train(plan: TrainPlan, topo: Topology) -> dict[str, Any]:
               micro_batch=cfg.train_micro_batch_size_per_gpu, gradient_accumulation=cfg.gradient_accumulation_steps,
               total_steps=total_steps, start_step=engine.global_steps, data=splits.stats,
               tokenizer=tokenizer_summary(plan.tokenizer), seed=plan.seed,
-              lora=plan.lora.to_dict() if plan.lora is not None else None, chunked_loss=chunked)
+              lora=plan.lora.to_dict() if plan.lora is not None else None, chunked_loss=chunked,
+              lean_activations=lean)
     loop = _Loop(plan=plan, topo=topo, engine=engine, splits=splits, log=log, total_steps=total_steps)
     summary = loop.run(sampler, cursor)
     if plan.export:
@@ -115,6 +118,16 @@ def _chunk_loss(model) -> bool:
         warnings.warn(f"ztrain: training with the model's own loss (full logits): {err}", stacklevel=2)
         return False
     return True
+
+
+def _lean(model) -> dict[str, int]:
+    """Fewer saved activations for the same gradients (zspeed.train.lean_activations); what changed, by kind."""
+    from .lean_activations import lean_activations
+
+    report = lean_activations(model)
+    if report.skipped:
+        warnings.warn(f"ztrain: {report}", stacklevel=2)
+    return {"norms": len(report.norms), "mlps": len(report.mlps)}
 
 
 def _resolve_config(plan: TrainPlan, world: int, train_rows: int):
