@@ -324,7 +324,12 @@ def driver(args) -> None:
         # and torch's CPU ops obey (zspeed's offload picks the same count itself: host_threads = 0).
         env = dict(os.environ, OMP_NUM_THREADS=str(max(1, len(os.sched_getaffinity(0)) // nproc)))
         t0 = time.time()
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+        except subprocess.TimeoutExpired as err:  # one stuck system must not cost the others their turn
+            out = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+            proc = subprocess.CompletedProcess(cmd, -9, out(err.stdout), out(err.stderr) + f"\ntimed out after "
+                                               f"{args.timeout} s")
         found = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode or not found:
             tail = (proc.stdout + proc.stderr)[-3000:]
