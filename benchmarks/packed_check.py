@@ -3,13 +3,16 @@
     ZSPEED_TUNING_CACHE=0 ZSPEED_PACKED_DEQUANT=1 python benchmarks/packed_check.py [--ms 4 16 64 256]
     ZSPEED_TUNING_CACHE=0 ZSPEED_PACKED_DEQUANT=0 python benchmarks/packed_check.py      # the fp32 path, to compare
     python benchmarks/packed_check.py --groups 32 64 128 256 --symmetric --shapes 4096x4096  # other grids
+    ZSPEED_TUNING_CACHE=0 python benchmarks/packed_check.py --groups 32 64 128 --symmetric \
+        --shapes 4096x4096 4096x14336 --ms 4 16 64   # g32/g64: tiles spanning groups, packed
 
 For each shape (K x N) and row count: INT4 g128 with zero points (``--groups``, ``--symmetric``: other grids),
 scales in bf16 (and, on the square shape, in fp16, which keep the fp32 path), timed with the L2 flushed in CUDA
 graphs (kernels/_runtime.py graph_time_ms) beside ``F.linear`` in bf16 in the same process. Exactness: rows of ``x``
 that are one-hot pick columns of the weight, so the kernel's output must equal the reference's dequantized weight
-bit for bit ([Note: packed INT4 dequantization] in kernels/_wmma_kernels.py). One JSON line per cell;
-``$OUT/packed_<mode>.json`` when ``OUT`` is set.
+bit for bit ([Note: packed INT4 dequantization] in kernels/_wmma_kernels.py). One JSON line per cell, with the
+``PACKED`` the launcher chose (0: the fp32 path) and the tuned config; ``$OUT/packed_<mode>.json`` when ``OUT`` is
+set.
 """
 from __future__ import annotations
 
@@ -23,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from zspeed.compress import quantize_int4
-from zspeed.kernels import w4a16_matmul
-from zspeed.kernels._runtime import graph_time_ms
+from zspeed.kernels import _word, w4a16_matmul
+from zspeed.kernels._runtime import graph_time_ms, m_bucket
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gemv_check import _shape  # noqa: E402  (the same "KxN" shape argument)
@@ -42,8 +45,11 @@ def cell(q, w: torch.Tensor, deq: torch.Tensor, m: int, g: torch.Generator) -> d
     ref = x.float() @ deq.float().t()
     err = ((call(x).float() - ref).norm() / ref.norm()).item()
     t_q, t_b = graph_time_ms(lambda: call(x)), graph_time_ms(lambda: F.linear(x, w))
+    packed = _word.packed_dequant(_word.FMT_W4, x.dtype, q.scales.dtype, "cuda", q.group_size)
+    key = ("wdot", _word.FMT_W4, q.group_size, q.zeros is not None, m_bucket(m), w.shape[0], k, x.dtype)
+    config = _word.tuned().get(key + ((f"packed{packed}",) if packed else ()))  # the key run_wdot tunes
     return dict(m=m, exact=torch.equal(got, want), ndiff=(got != want).sum().item(), rel_err=err, us=t_q * 1e3,
-                bf16_us=t_b * 1e3, speedup=t_b / t_q)
+                bf16_us=t_b * 1e3, speedup=t_b / t_q, packed=packed, config=str(config))
 
 
 def main() -> None:

@@ -45,8 +45,11 @@ rounds to ``x``'s dtype, bit for bit. Per pair of fields the fp32 path spends a 
 conversion; this one a LOP3 (and a shift), a SUB and a MUL, all on two values. ``SCALES_AHEAD`` (tuned, from
 64 rows) loads each tile's scales and zero points one tile ahead, in registers: on an H100 it gained 6-9 % at
 64 rows on two shapes of three, lost 4 % on the third and 6-14 % at 4-16 rows (benchmarks/RESULTS.md, kernels
-run 37). The interpreter runs no PTX, so CPU tests cover the fp32 path only; the GPU checks
-(``benchmarks/packed_check.py``) compare this one with the reference.
+run 37). The two words of a pair each take their own scale and zero point (the halves of ``$10`` and ``$11``), so
+tiles that span groups (g32, g64) are packed too, their scales loaded once per group ([Note: group scales] in
+``_word_kernels``; gathered per word, the 64-row tiles crashed Triton 3.6's compiler, kernels run 41). The
+interpreter runs no PTX, so CPU tests cover the fp32 path only; the GPU checks (``benchmarks/packed_check.py``)
+compare this one with the reference.
 
 [Note: swap-AB] Hopper's ``wgmma`` takes 64 rows per warp group on its M side and 8..256 on its N
 side. With a few rows of ``x`` on the M side (``acc[BM, BN] = x @ w^T``) a 16-row tile is padded
@@ -137,8 +140,8 @@ def _dequant_tile(w, s_ptr, z_ptr, offs_n, nmask, col0, stride_sn, K, FMT: tl.co
         w = w ^ -2139062144  # 0x80808080: every byte q + 128, see [Note: magic-number conversion]
         s, z = 1.0, 128.0
     else:
-        s, z = _group_scale(s_ptr, z_ptr, offs_n, nmask, col0, tl.arange(0, BLOCK_W), stride_sn, K, CPW, GROUP,
-                            BLOCK_W, HAS_ZEROS)  # each (BN, 1) if the tile lies in one group, else (BN, BW)
+        s, z = _group_scale(s_ptr, z_ptr, offs_n, nmask, col0, stride_sn, K, CPW, GROUP, BLOCK_W,
+                            HAS_ZEROS)  # each (BN, 1) if the tile lies in one group, else (BN, BW)
     if ORDER == 3:  # natural order by interleaving (BN, BW) fields: out[:, CPW * w + j] = field j of word w
         if CPW == 4:
             return tl.interleave(tl.interleave(_field(w, 0, s, z, BITS), _field(w, 2, s, z, BITS)),
@@ -207,8 +210,8 @@ def wmma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M, N, 
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     if SCALES_AHEAD:  # [Note: packed INT4 dequantization]: the first tile's scales and zero points, loaded ahead
-        s_next, z_next = _group_scale(s_ptr, z_ptr, offs_n, nmask, t_lo * BLOCK_W * CPW, tl.arange(0, BLOCK_W),
-                                      stride_sn, K, CPW, GROUP, BLOCK_W, HAS_ZEROS)
+        s_next, z_next = _group_scale(s_ptr, z_ptr, offs_n, nmask, t_lo * BLOCK_W * CPW, stride_sn, K, CPW, GROUP,
+                                      BLOCK_W, HAS_ZEROS)
     for t in range(t_lo, t_hi):
         w = _load_words(w_ptr, offs_n, N, t, t_hi, KW, stride_wn, BLOCK_W, EVEN_W)  # (BN, BW) int32
         x = _x_tile(x_ptr, offs_m, mmask, t, K, KW, stride_xm, CPW, BLOCK_W, EVEN_W, ORDER)  # (BM, BK)
@@ -216,10 +219,10 @@ def wmma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M, N, 
             if SCALES_AHEAD:
                 s_t, z_t = s_next, z_next
                 s_next, z_next = _group_scale(s_ptr, z_ptr, offs_n, nmask, tl.minimum(t + 1, t_hi - 1) * BLOCK_W * CPW,
-                                              tl.arange(0, BLOCK_W), stride_sn, K, CPW, GROUP, BLOCK_W, HAS_ZEROS)
+                                              stride_sn, K, CPW, GROUP, BLOCK_W, HAS_ZEROS)
             else:
-                s_t, z_t = _group_scale(s_ptr, z_ptr, offs_n, nmask, t * BLOCK_W * CPW, tl.arange(0, BLOCK_W),
-                                        stride_sn, K, CPW, GROUP, BLOCK_W, HAS_ZEROS)
+                s_t, z_t = _group_scale(s_ptr, z_ptr, offs_n, nmask, t * BLOCK_W * CPW, stride_sn, K, CPW, GROUP,
+                                        BLOCK_W, HAS_ZEROS)
             wt = _dequant_tile_packed(w, s_t, z_t, BLOCK_N, BLOCK_W, PACKED == 2)  # (BN, BK)
         else:
             wt = _dequant_tile(w, s_ptr, z_ptr, offs_n, nmask, t * BLOCK_W * CPW, stride_sn, K, FMT, GROUP, HAS_ZEROS,

@@ -528,14 +528,17 @@ def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
 
 def packed_dequant(fmt: int, x_dtype: torch.dtype, s_dtype: torch.dtype, device_type: str, group: int) -> int:
     """The full-depth wdot's ``PACKED`` ([Note: packed INT4 dequantization] in _wmma_kernels): 1 (bf16) or 2
-    (fp16) for INT4 with scales in ``x``'s 16-bit dtype on the GPU, where each tile lies in one group, else 0 (the
-    fp32 path; the interpreter runs no PTX). Tiles that span groups (32, 64) take the fp32 path: with a scale per
-    word the packed tile crashed Triton 3.6's compiler (kernels run 41). ``ZSPEED_PACKED_DEQUANT=0`` in the
-    environment turns it off (for A/B timings)."""
+    (fp16) for INT4 with scales in ``x``'s 16-bit dtype on the GPU, else 0 (the fp32 path; the interpreter runs no
+    PTX). Every group size the full-depth tiles take, those spanning groups of 16 to 64 columns included: their
+    scales are loaded per group and spread to the words ([Note: group scales] in _word_kernels). Loaded per word, as
+    before, such a packed tile crashed Triton 3.6's compiler in 64-row tiles (kernels run 41), so g32 and g64 took
+    the fp32 path. Groups of one word (8 columns) still do: there a group's scale is a word's, and the packed 64 x 128
+    and 64 x 256 tiles with zero points crash Triton 3.6 the same way (``TritonGPUOptimizeDotOperands``, "Illegal
+    shared layout"). ``ZSPEED_PACKED_DEQUANT=0`` in the environment turns it off (for A/B timings)."""
     if fmt != FMT_W4 or interpreting() or device_type != "cuda" or s_dtype != x_dtype:
         return 0
-    if (_full_block_w(fmt, group) or group + 1) * CPW[fmt] > group:
-        return 0
+    if _full_block_w(fmt, group) is None or group < 2 * CPW[fmt]:
+        return 0  # no full-depth tile for these groups, or groups of one word (see above)
     if os.environ.get("ZSPEED_PACKED_DEQUANT", "1") == "0":
         return 0
     return {torch.bfloat16: 1, torch.float16: 2}.get(x_dtype, 0)

@@ -34,6 +34,23 @@ executed. INT8 codes are signed: xor-ing every byte with 0x80 makes them
 ``q + 128`` in ``0..255``. Fields above bit 15 are taken from ``word >> 16``
 so that ``field * 2^shift`` stays below ``2^23``.
 
+[Note: group scales] A tile of ``BW`` INT4 words that spans several quantization groups (the tensor-core
+kernels' 128-column tiles at groups of 32 or 64 columns; 8 or 16 alike) needs a scale and a zero point per word.
+They used to be gathered per word, a ``(BN, BW)`` load at ``(col0 + CPW * w) // GROUP``: every group's values
+loaded ``GROUP / CPW`` times over, and, their addresses having no contiguity, in a layout of their own that the
+dequantization then followed, so the dequantized tile went to shared memory in 16-bit stores instead of 128-bit
+ones. ``_group_scale`` loads ``(BN, G)``, once per group, and spreads it to the words by a broadcast and a reshape
+(``_per_word``); the compiler moves that small tensor into the words' layout through shared memory (a few stores
+and loads, two barriers per tensor) and the dequantization keeps the words' layout. Compiled for sm_90 by Triton
+3.6, the main loop of the g32 16 x 64 swap-AB tile with zero points, packed, went from 508 SASS instructions (16
+scale and zero-point loads per thread, 64 16-bit shared stores) to 388 (4 loads, as at g128; 8 128-bit stores),
+against 373 at g128; on the fp32 path from 739 to 547. The values are the same, so the results are bit for bit
+those of before. It also let the packed dequantization take these tiles at groups of 16 to 64 columns: with
+per-word scales its 64-row tiles crashed Triton 3.6's compiler ([Note: packed INT4 dequantization] in
+``_wmma_kernels``), as they still do at groups of one word (8 columns; ``_word.packed_dequant``). Tiles inside one
+group (32 or 64 columns at g32 / g64) were the alternative; per 128 columns they cost more (the same tile at 32
+columns: 4 x 141 = 564 instructions), so the tuner offers none.
+
 Word layouts (little-endian views of the packed tensors of ``_tiles``):
 - FMT 0, INT8: a word is 4 columns, byte ``j`` = column ``4w + j``.
 - FMT 1, INT4: a word is 8 columns, nibble ``j`` = column ``8w + j``.
@@ -78,9 +95,11 @@ def _x_plane(x_row, col0, offs_w, offs_n, CPW: tl.constexpr, j: tl.constexpr, K,
 
 
 @triton.jit
-def _group_scale(s_ptr, z_ptr, offs_n, nmask, col0, offs_w, stride_sn, K, CPW: tl.constexpr, GROUP: tl.constexpr,
+def _group_scale(s_ptr, z_ptr, offs_n, nmask, col0, stride_sn, K, CPW: tl.constexpr, GROUP: tl.constexpr,
                  BLOCK_W: tl.constexpr, HAS_ZEROS: tl.constexpr):
-    """Scale and zero point of the tile's columns: ``(BN, 1)`` if the tile lies in one group, else ``(BN, BW)``."""
+    """Scale and zero point (fp32) of the words of the tile at column ``col0``: ``(BN, 1)`` if the tile lies in one
+    group, else ``(BN, BW)``, loaded once per group and spread to the group's words ([Note: group scales]); without
+    zero points ``z`` is 8, ``(1, 1)``."""
     if BLOCK_W * CPW <= GROUP:
         g = col0 // GROUP
         s = tl.load(s_ptr + offs_n * stride_sn + g, mask=nmask, other=0.0).to(tl.float32)[:, None]
@@ -89,15 +108,23 @@ def _group_scale(s_ptr, z_ptr, offs_n, nmask, col0, offs_w, stride_sn, K, CPW: t
         else:
             z = tl.full((1, 1), 8.0, tl.float32)
     else:
-        g = (col0 + offs_w * CPW) // GROUP
+        g = col0 // GROUP + tl.arange(0, BLOCK_W * CPW // GROUP)  # the tile's groups, (G,)
         ptrs = offs_n[:, None] * stride_sn + g[None, :]
-        gmask = nmask[:, None] & (col0 + offs_w * CPW < K)[None, :]
-        s = tl.load(s_ptr + ptrs, mask=gmask, other=0.0).to(tl.float32)
+        gmask = nmask[:, None] & (g * GROUP < K)[None, :]  # a partial last tile reads no scale past the row
+        s = _per_word(tl.load(s_ptr + ptrs, mask=gmask, other=0.0).to(tl.float32), CPW, GROUP, BLOCK_W)
         if HAS_ZEROS:
-            z = tl.load(z_ptr + ptrs, mask=gmask, other=0).to(tl.float32)
+            z = _per_word(tl.load(z_ptr + ptrs, mask=gmask, other=0).to(tl.float32), CPW, GROUP, BLOCK_W)
         else:
             z = tl.full((1, 1), 8.0, tl.float32)
     return s, z
+
+
+@triton.jit
+def _per_word(v, CPW: tl.constexpr, GROUP: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Per-group values ``(BN, G)`` of a tile spanning ``G`` whole groups, spread to its words: ``(BN, BW)``, word
+    ``w`` taking group ``w // (GROUP // CPW)``'s value ([Note: group scales])."""
+    return tl.reshape(tl.broadcast_to(v[:, :, None], (v.shape[0], BLOCK_W * CPW // GROUP, GROUP // CPW)),
+                      (v.shape[0], BLOCK_W))
 
 
 @triton.jit
@@ -305,8 +332,7 @@ def wdot_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, KW, SPLIT_K,
             src_lo = w ^ -2139062144
         else:
             src_lo = w
-            s, z = _group_scale(s_ptr, z_ptr, offs_n, nmask, col0, tl.arange(0, BLOCK_W), stride_sn, K, 8, GROUP,
-                                BLOCK_W, HAS_ZEROS)
+            s, z = _group_scale(s_ptr, z_ptr, offs_n, nmask, col0, stride_sn, K, 8, GROUP, BLOCK_W, HAS_ZEROS)
         src_hi = src_lo >> 16
         for j in tl.static_range(CPW):
             if j < CPW // 2:

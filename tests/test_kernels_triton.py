@@ -29,6 +29,9 @@ IN_PROCESS = not _TRITON_WAS_IMPORTED or os.environ.get("ZSPEED_KERNEL_SUBPROCES
 needs_interp = pytest.mark.skipif(not IN_PROCESS, reason="triton was imported before TRITON_INTERPRET was set; "
                                   "test_kernels_in_subprocess runs these tests in a fresh process")
 import triton  # noqa: E402,F401  (a declared dependency: the [kernels] extra)
+import triton.language as tl  # noqa: E402
+
+from zspeed.kernels import _word_kernels  # noqa: E402  (imports triton, already imported above)
 
 # (M, N, K): odd M, N not a multiple of the 32-wide tiles, K both aligned and not.
 SHAPES = [(1, 48, 64), (3, 160, 96), (17, 72, 256)]
@@ -365,6 +368,75 @@ def test_full_depth_wdot_dequantizes_bit_for_bit(monkeypatch, fmt, group, sym):
         cfg = _word.WordConfig(16, 32, bw, 1, 1, full_depth=True, order=order)
         got = _run_wdot_with(monkeypatch, cfg, x, words, q.scales, getattr(q, "zeros", None), f, group, n)
         assert torch.equal(got, want), (order, (got.float() - want.float()).abs().max())
+
+
+@triton.jit
+def _group_scale_probe(s_ptr, z_ptr, out_s, out_z, N, K, stride_sn, col0, GROUP: tl.constexpr,
+                       HAS_ZEROS: tl.constexpr, CPW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Stores what ``_group_scale`` gives the ``(BN, BW)`` words of the tile at ``col0``."""
+    offs_n = tl.arange(0, BLOCK_N)
+    s, z = _word_kernels._group_scale(s_ptr, z_ptr, offs_n, offs_n < N, col0, stride_sn, K, CPW, GROUP, BLOCK_W,
+                                      HAS_ZEROS)
+    o = offs_n[:, None] * BLOCK_W + tl.arange(0, BLOCK_W)[None, :]
+    tl.store(out_s + o, tl.broadcast_to(s, (BLOCK_N, BLOCK_W)))
+    tl.store(out_z + o, tl.broadcast_to(z, (BLOCK_N, BLOCK_W)))
+
+
+@needs_interp
+@pytest.mark.parametrize("group", [8, 16, 32, 64, 128])
+def test_group_scale_loads_per_group_and_spreads_to_words(group):
+    """[Note: group scales] in kernels/_word_kernels.py: in a 128-column tile (16 INT4 words) that spans groups
+    (g8-g64) each word gets its own group's scale and zero point, loaded once per group and spread; in one that lies
+    in a group (g128), the group's. Rows past N read nothing, nor do groups that start past K (K = 200: the second
+    tile is partial; the last row's scales end the buffer, NaN after them)."""
+    n, k = 5, 200
+    groups = -(-k // group)
+    g = torch.Generator().manual_seed(group)
+    scales = _nan_after(torch.randn(n, groups, generator=g).to(torch.bfloat16))
+    zeros = torch.randint(0, 16, (n, groups), generator=g, dtype=torch.uint8)
+    for col0 in (0, 128):
+        col = col0 + 8 * torch.arange(16)  # each word's first column
+        gw = torch.minimum(col // group, torch.tensor(groups - 1))
+        inside = (col // group) * group < k  # the word's group starts before K
+        for has_zeros in (True, False):
+            out_s = torch.full((8, 16), float("nan"))
+            out_z = torch.full((8, 16), float("nan"))
+            _group_scale_probe[(1,)](scales, zeros if has_zeros else scales, out_s, out_z, n, k, groups, col0,
+                                     GROUP=group, HAS_ZEROS=has_zeros, CPW=8, BLOCK_N=8, BLOCK_W=16)
+            want_s = torch.zeros(8, 16)
+            want_s[:n] = torch.where(inside, scales.float()[:, gw], 0.0)
+            want_z = torch.full((8, 16), 8.0)
+            if has_zeros:
+                want_z.zero_()
+                want_z[:n] = torch.where(inside, zeros.float()[:, gw], 0.0)
+            assert torch.equal(out_s, want_s), (col0, out_s, want_s)
+            assert torch.equal(out_z, want_z), (col0, out_z, want_z)
+
+
+@needs_interp
+@pytest.mark.parametrize("group,sym", [(32, False), (64, False), (32, True), (64, True), (16, False)])
+def test_wdot_tiles_spanning_groups_dequantize_bit_for_bit(monkeypatch, group, sym):
+    """The 128-column tiles of both wdot kernels over groups of 16-64 columns, scales loaded per group and spread
+    to the words ([Note: group scales]): with one-hot rows of x the output is the format's ``dequantize`` bit for bit
+    (fp16, see above), at odd N (37), K = 200 (a partial last tile whose last group is short), every field of the
+    first words and the columns around the second tile, in both column orders, both orientations, K split or not."""
+    from zspeed.kernels import _word
+
+    k, n = 200, 37
+    _, w = _inputs(1, n, k, torch.float16, seed=18 + group)
+    w[:, :8] *= 64.0
+    q = quantize_int4(w, group_size=group, symmetric=sym, pad_groups=True)
+    words = q.qweight.view(torch.int32)
+    cols = torch.cat([torch.arange(0, 24), torch.arange(120, 200)])
+    x = torch.eye(k, dtype=torch.float16)[cols]
+    want = q.dequantize(torch.float16)[:, cols].T
+    cfgs = [_word.WordConfig(16, 32, 16, 1, 1, full_depth=True, order=order, swap=swap)
+            for order in (0, 3) for swap in (False, True)]
+    cfgs += [_word.WordConfig(16, 32, 16, 2, 1, full_depth=True, order=3, fixup=True),
+             _word.WordConfig(16, 32, 16, 1, 1)]  # the per-plane kernel
+    for cfg in cfgs:
+        got = _run_wdot_with(monkeypatch, cfg, x, words, q.scales, q.zeros, _word.FMT_W4, group, n)
+        assert torch.equal(got, want), (cfg, (got.float() - want.float()).abs().max())
 
 
 @needs_interp
