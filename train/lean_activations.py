@@ -99,6 +99,17 @@ class _AutocastState:
         return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled)
 
 
+def _replay(ctx, fn, grad_out) -> tuple:
+    """The gradients of ``fn`` at the node's saved inputs: ``fn`` run again with recording on (and the forward's
+    autocast setting), then differentiated; ``None`` for inputs that need none."""
+    inputs = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad)]
+    with torch.enable_grad(), ctx.autocast():
+        out = fn(*inputs)
+    wanted = [t for t in inputs if t.requires_grad]
+    grads = iter(torch.autograd.grad(out, wanted, grad_out) if wanted else ())
+    return tuple(next(grads) if t.requires_grad else None for t in inputs)
+
+
 class LeanNorm(torch.autograd.Function):
     """``_rms_norm(x, weight, eps)`` keeping ``x`` and ``weight`` only (see [Note: lean activations])."""
 
@@ -111,14 +122,7 @@ class LeanNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        x_, w_ = x.detach().requires_grad_(ctx.needs_input_grad[0]), weight.detach().requires_grad_(
-            ctx.needs_input_grad[1])
-        with torch.enable_grad(), ctx.autocast():
-            out = _rms_norm(x_, w_, ctx.eps)
-        wanted = [t for t in (x_, w_) if t.requires_grad]
-        grads = iter(torch.autograd.grad(out, wanted, grad_out) if wanted else ())
-        return (next(grads) if x_.requires_grad else None), (next(grads) if w_.requires_grad else None), None
+        return *_replay(ctx, lambda x, w: _rms_norm(x, w, ctx.eps), grad_out), None
 
 
 def _norm_forward(self, hidden_states):
@@ -149,14 +153,7 @@ class GatedProduct(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        gate, up = ctx.saved_tensors
-        g_, u_ = gate.detach().requires_grad_(ctx.needs_input_grad[0]), up.detach().requires_grad_(
-            ctx.needs_input_grad[1])
-        with torch.enable_grad(), ctx.autocast():
-            out = ctx.act(g_) * u_
-        wanted = [t for t in (g_, u_) if t.requires_grad]
-        grads = iter(torch.autograd.grad(out, wanted, grad_out) if wanted else ())
-        return (next(grads) if g_.requires_grad else None), (next(grads) if u_.requires_grad else None), None
+        return *_replay(ctx, lambda gate, up: ctx.act(gate) * up, grad_out), None
 
 
 class _ProductRecipe:
