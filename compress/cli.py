@@ -34,6 +34,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--symmetric", action="store_true", help="symmetric INT4 (no zero points)")
     p.add_argument("--pad-groups", action="store_true", help="allow a short last group when in_features "
                    "is not a multiple of the group size")
+    p.add_argument("--scale-dtype", default="auto", choices=("auto", "float16", "bfloat16"),
+                   help="dtype of stored scales (default auto: bfloat16 for INT4 of a bfloat16 model, where the GPU "
+                        "kernels' fastest path needs it; float16 otherwise)")
     p.add_argument("--exclude", nargs="*", default=None, help="fnmatch patterns of Linears to leave alone "
                    "(default: lm_head)")
     p.add_argument("--no-progress", action="store_true")
@@ -90,18 +93,20 @@ def _config(args: argparse.Namespace):
             return _nf4_config(args, exclude)
         group = {} if args.bits == 8 else {"group_size": args.group_size, "symmetric": args.symmetric}
         gptq = {"act_order": args.act_order, "damp": args.damp} if cls is GPTQConfig else {}
-        return cls(bits=args.bits, pad_groups=args.pad_groups, **group, **gptq, **exclude)
+        return cls(bits=args.bits, pad_groups=args.pad_groups, scale_dtype=args.scale_dtype, **group, **gptq,
+                   **exclude)
     cls = _pick(SPARSE_METHODS, args.method, "sparsify")
     n, m = _pattern(args.pattern)
     return cls(n=n, m=m, quant_bits=4 if args.int4 else None, group_size=args.group_size,
-               symmetric=args.symmetric, pad_groups=args.pad_groups, **exclude)
+               symmetric=args.symmetric, pad_groups=args.pad_groups, scale_dtype=args.scale_dtype, **exclude)
 
 
 def _nf4_config(args: argparse.Namespace, exclude: dict) -> NF4Config:
     if args.bits != 4:
         raise ValueError(f"--method nf4 is 4-bit: drop --bits {args.bits}")
-    if args.group_size != 128 or args.symmetric or args.pad_groups:
-        raise ValueError("--group-size/--symmetric/--pad-groups are INT4 options; nf4 takes --blocksize")
+    if args.group_size != 128 or args.symmetric or args.pad_groups or args.scale_dtype != "auto":
+        raise ValueError("--group-size/--symmetric/--pad-groups/--scale-dtype are INT4 options; nf4 takes "
+                         "--blocksize")
     return NF4Config(blocksize=args.blocksize, compute_dtype=args.compute_dtype, **exclude)
 
 

@@ -9,8 +9,10 @@ never touched.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import ClassVar
+
+import torch
 
 from .nf4 import NF4_BLOCKSIZES
 from .uniform import SCALE_DTYPES
@@ -37,9 +39,26 @@ def _check_patterns(obj: object) -> None:
         _set(obj, name, tuple(value))
 
 
+SCALE_AUTO = "auto"
+
+
 def _check_scale_dtype(obj: object) -> None:
-    if obj.scale_dtype not in SCALE_DTYPES:
-        _fail(type(obj), "scale_dtype", obj.scale_dtype, f"use one of {sorted(SCALE_DTYPES)}")
+    if obj.scale_dtype != SCALE_AUTO and obj.scale_dtype not in SCALE_DTYPES:
+        _fail(type(obj), "scale_dtype", obj.scale_dtype, f"use {SCALE_AUTO!r} or one of {sorted(SCALE_DTYPES)}")
+
+
+def with_scale_dtype(config, model_dtype: torch.dtype | None):
+    """``config`` with ``scale_dtype="auto"`` made concrete for a model whose weights are ``model_dtype`` (its
+    declared dtype: zcompress loads in fp32). [Note: scale dtype] INT4 scales of a bf16 model are stored in bf16:
+    the packed INT4 dequantization of the GPU kernels needs scales in the activations' dtype (kernels/
+    _wmma_kernels.py; with fp16 scales a bf16 model runs the slower fp32 path, 1.70x against 1.92x over bf16 at
+    g128 in benchmarks/RESULTS.md, kernels run 43), and an INT4 grid step loses nothing that matters to bf16's 8
+    mantissa bits. Everything else keeps fp16 scales: INT8's per-channel error bound needs fp16's 11 bits, and no
+    INT8 path wants bf16 scales. Configs with a named dtype are returned as they are."""
+    if getattr(config, "scale_dtype", None) != SCALE_AUTO:
+        return config
+    int4 = getattr(config, "bits", None) == 4 or getattr(config, "quant_bits", None) == 4
+    return replace(config, scale_dtype="bfloat16" if int4 and model_dtype == torch.bfloat16 else "float16")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,7 +66,7 @@ class _QuantBase:
     bits: int = 4
     group_size: int | None = None
     symmetric: bool | None = None
-    scale_dtype: str = "float16"
+    scale_dtype: str = SCALE_AUTO
     pad_groups: bool = False
     include: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = DEFAULT_EXCLUDE
@@ -86,7 +105,8 @@ class RTNConfig(_QuantBase):
     ``bits=8``: INT8, symmetric, per output channel. ``bits=4``: INT4 with one
     scale per ``group_size`` (32/64/128, default 128) input columns, asymmetric
     with an integer zero point unless ``symmetric=True``. ``scale_dtype`` is the
-    storage dtype of scales (fp16 by default). ``pad_groups=True`` accepts layers
+    storage dtype of scales: ``"auto"`` (default) is bf16 for INT4 in a bf16 model,
+    else fp16 (:func:`with_scale_dtype`). ``pad_groups=True`` accepts layers
     whose ``in_features`` the group size does not divide (their last group is short).
     """
 
@@ -156,7 +176,7 @@ class _SparseBase:
     quant_bits: int | None = None
     group_size: int = 128
     symmetric: bool = False
-    scale_dtype: str = "float16"
+    scale_dtype: str = SCALE_AUTO
     pad_groups: bool = False
     include: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = DEFAULT_EXCLUDE

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import GPTQConfig
+from .config import GPTQConfig, with_scale_dtype
 from .formats import Int4Weight, Int8Weight, check_group_size, grouped, int4_from_codes, int8_from_codes
 from .uniform import SCALE_DTYPES, fit_scale_zero, from_codes, to_codes
 
@@ -33,7 +33,7 @@ def _inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
 
 def _fit(w: torch.Tensor, config: GPTQConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
     return fit_scale_zero(w, bits=config.bits, symmetric=config.symmetric,
-                          scale_dtype=SCALE_DTYPES[config.scale_dtype])
+                          scale_dtype=SCALE_DTYPES[with_scale_dtype(config, w.dtype).scale_dtype])
 
 
 class _Grid:

@@ -2,6 +2,7 @@
 a compressed folder, or the built-in tiny Llama."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import torch
 from torch import nn
 
 from .storage import META_FILE, load_compressed
+from .transform import DECLARED_DTYPE
 from .tiny import TINY_NAME, byte_tokenize, tiny_llama
 
 
@@ -38,7 +40,22 @@ def _load_hf(path: Path, dtype: torch.dtype) -> nn.Module:
         model.config.__dict__.pop("quantization_config", None)  # weights are already expanded to floats
     else:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        declared = _declared_dtype(path)
+        if declared is not None:  # what config.json names (scale dtype "auto": compress/config.py with_scale_dtype)
+            setattr(model, DECLARED_DTYPE, declared)
     return model.eval()
+
+
+def _declared_dtype(path: Path) -> torch.dtype | None:
+    """The dtype a Hugging Face folder's ``config.json`` declares (``dtype``, or ``torch_dtype`` before
+    transformers 5), if it names a floating dtype."""
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
 
 
 def _tokenizer(path: Path):

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from .calib import ColumnNormStat, HessianStat
-from .config import GPTQConfig, MagnitudeConfig, NF4Config, RTNConfig, WandaConfig
+from .config import GPTQConfig, MagnitudeConfig, NF4Config, RTNConfig, WandaConfig, with_scale_dtype
 from .formats import check_group_size, quantize_int4, quantize_int8
 from .gptq import gptq_quantize
 from .modules import NF4Linear, QuantLinear, SparseLinear
@@ -38,7 +38,7 @@ def check_linear(name: str, linear: nn.Linear, config) -> None:
 def quantize_linear(linear: nn.Linear, config: RTNConfig | GPTQConfig, stat: HessianStat | None = None) -> QuantLinear:
     """INT8/INT4 by RTN, or by GPTQ with the layer's Hessian ``stat``."""
     w = linear.weight.detach()
-    sdt = SCALE_DTYPES[config.scale_dtype]
+    sdt = SCALE_DTYPES[with_scale_dtype(config, w.dtype).scale_dtype]
     if isinstance(config, GPTQConfig):
         if stat is None:
             raise ValueError("GPTQ needs calibration data: pass calib=... to quantize_model")
@@ -78,7 +78,8 @@ def sparsify_linear(linear: nn.Linear, config: MagnitudeConfig | WandaConfig,
     if config.quant_bits:
         group_c = config.group_size * config.n // config.m  # kept values per group
         q = quantize_int4(nm.values, group_size=group_c, symmetric=config.symmetric,
-                          scale_dtype=SCALE_DTYPES[config.scale_dtype], pad_groups=config.pad_groups)
+                          scale_dtype=SCALE_DTYPES[with_scale_dtype(config, w.dtype).scale_dtype],
+                          pad_groups=config.pad_groups)
         nm = NMWeight(values=q, meta=nm.meta, n=nm.n, m=nm.m, in_features=nm.in_features)
     return SparseLinear.from_weight(nm, linear.bias, group_size=config.group_size, dtype=w.dtype)
 

@@ -21,7 +21,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .calib import attach_stats, detach_hooks
-from .config import GPTQConfig, MagnitudeConfig, NF4Config, RTNConfig, WandaConfig
+from .config import GPTQConfig, MagnitudeConfig, NF4Config, RTNConfig, WandaConfig, with_scale_dtype
 from .layer import check_linear, compress_linear, stat_type
 
 Batch = torch.Tensor | dict
@@ -70,12 +70,25 @@ def sparsify_model(model: nn.Module, config: MagnitudeConfig | WandaConfig, *,
     return _compress_model(model, config, calib, progress)
 
 
+DECLARED_DTYPE = "_zspeed_declared_dtype"  # set by zcompress's loader: the dtype the checkpoint declares
+
+
+def declared_dtype(model: nn.Module, targets: dict[str, nn.Linear]) -> torch.dtype | None:
+    """The dtype ``model``'s weights are meant to run in: what its checkpoint declares (zcompress loads in fp32,
+    and transformers then overwrites ``config.dtype``), else that of the weights themselves."""
+    declared = getattr(model, DECLARED_DTYPE, None)
+    if declared is not None:
+        return declared
+    return next((lin.weight.dtype for lin in targets.values()), None)
+
+
 def _compress_model(model: nn.Module, config, calib, progress: bool) -> nn.Module:
     targets = select_linears(model, config.include, config.exclude)
     if not targets:
         raise ValueError(f"no nn.Linear matches include={config.include} and exclude={config.exclude}")
     for name, lin in targets.items():
         check_linear(name, lin, config)
+    config = with_scale_dtype(config, declared_dtype(model, targets))
     make = stat_type(config)
     with torch.no_grad():
         if make is None:
