@@ -265,28 +265,39 @@ def lean_activations(model: nn.Module, config: LeanConfig = LeanConfig()) -> Lea
         for kind, is_candidate, forward, changed in kinds:
             if not is_candidate(module):
                 continue
-            if "forward" in module.__dict__:
-                report.skipped[name] = "its forward is already replaced on the instance"
-                break
-            width = _width(module, kind)
-            x = None if width is None else _probe_input(module, width, config.probe_tokens)
-            if x is None:
+            why = _make_lean(module, kind, forward, config)
+            if why is None:
+                changed.append(name)
+            elif why == _UNCHECKED:
                 unchecked.append(name)
-                break
-            if not _agrees(module, forward, x):
-                report.skipped[name] = f"its output is not the {kind} form's, bit for bit"
-                break
-            setattr(module, _MARK, kind)
-            module.forward = types.MethodType(forward, module)  # deepcopy rebinds it to the copy
-            changed.append(name)
+            else:
+                report.skipped[name] = why
             break
     if unchecked and not (report.norms or report.mlps):
         raise ValueError(f"lean_activations: could not check {unchecked[:3]}: their parameters are not "
                          "materialised (meta or sharded); apply the transform after the weights are loaded and "
                          "before the engine shards them")
-    for name in unchecked:
-        report.skipped[name] = "parameters not materialised, not checked"
+    report.skipped.update({name: "parameters not materialised, not checked" for name in unchecked})
     return report
+
+
+_UNCHECKED = "unchecked"
+
+
+def _make_lean(module: nn.Module, kind: str, forward, config: LeanConfig) -> str | None:
+    """Replace ``module``'s forward by the lean ``forward`` if the probe agrees; ``None`` when replaced, else why
+    not (``_UNCHECKED``: the parameters are not materialised)."""
+    if "forward" in module.__dict__:
+        return "its forward is already replaced on the instance"
+    width = _width(module, kind)
+    x = None if width is None else _probe_input(module, width, config.probe_tokens)
+    if x is None:
+        return _UNCHECKED
+    if not _agrees(module, forward, x):
+        return f"its output is not the {kind} form's, bit for bit"
+    setattr(module, _MARK, kind)
+    module.forward = types.MethodType(forward, module)  # deepcopy rebinds it to the copy
+    return None
 
 
 def unlean_activations(model: nn.Module) -> nn.Module:
