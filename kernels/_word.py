@@ -44,6 +44,17 @@ from 64.8 to 52.4 us and was never slower beyond noise. So where the partials
 fit the workspace the tuner offers it instead of atomics. The workspace is per
 device (two launches must not overlap on two streams); a call captured into a
 CUDA graph before the workspace exists uses atomics.
+
+[Note: tile depth]
+A full-depth tile is 128 columns deep where the groups allow. Tiles 64 columns deep
+take half the shared memory per stage, so two or three programs fit an SM where one
+did; on an H100 (kernels run 44, ``benchmarks/wdot_tiles.py``) that did not help at
+256 rows, where every tile of this kernel stayed at 0.41-0.67x of cuBLAS bf16: each
+program runs its tiles as a chain (load, dequantize, store, ``wgmma``, wait), and
+more programs per SM shortened none of the chain. At 64 rows two tiles gained on
+two shapes of three (``FULL_TILES``' last two, up to +19 %). From 128 rows the
+tuner also offers the pipelined Gluon kernel, which breaks the chain ([Note:
+pipelined wdot] in ``_pipelined_kernels``).
 """
 from __future__ import annotations
 
@@ -88,6 +99,9 @@ class WordConfig:
     # ([Note: packed INT4 dequantization] in _wmma_kernels)
     fixup: bool = False  # full_depth with split_k > 1: partials summed by each tile's last program, not fp32
     # atomics into a zeroed buffer ([Note: split-K fix-up])
+    pipelined: bool = False  # wdot, INT4 in bf16 on sm_90: the Gluon kernel that overlaps dequantization and MMA
+    # ([Note: pipelined wdot] in _pipelined_kernels); block_m x rows, block_n weight rows, stages buffers of x
+    # tiles, prefetch buffers of word tiles
 
 
 @functools.cache
@@ -284,20 +298,29 @@ def stationary_candidates(fmt: int, m: int, n: int, kw: int, group: int, device:
 # (BM, BN, warps, stages, swap) of the full-depth wdot; order 3 (interleaved natural order) throughout: on an H100
 # it beat the reshaped and the plane orders at every M timed (8192x8192, M = 16, 64, 256), the per-plane kernel too.
 # The 16 x 32 tile (more programs per SM) was chosen for 8192x28672 at 4 and 16 rows with packed INT4 (kernels run 39)
-FULL_TILES = ((16, 64, 4, 4, False), (16, 128, 4, 3, False), (16, 64, 4, 4, True), (16, 128, 4, 4, True),
-              (16, 32, 4, 4, False),
-              (32, 64, 4, 4, False), (32, 128, 4, 3, False), (32, 64, 4, 4, True), (32, 128, 4, 4, True),
-              (64, 64, 4, 4, True), (64, 128, 8, 3, True), (64, 128, 4, 3, False), (64, 256, 8, 3, False),
-              (128, 64, 4, 3, False), (128, 128, 8, 3, False), (128, 256, 8, 3, False),
-              (256, 128, 8, 3, False), (256, 64, 8, 3, False))
+# (BM, BN, warps, stages, swap, columns per tile): the tiles the full-depth wdot tunes over ([Note: tile depth])
+FULL_TILES = ((16, 64, 4, 4, False, 128), (16, 128, 4, 3, False, 128), (16, 64, 4, 4, True, 128),
+              (16, 128, 4, 4, True, 128), (16, 32, 4, 4, False, 128),
+              (32, 64, 4, 4, False, 128), (32, 128, 4, 3, False, 128), (32, 64, 4, 4, True, 128),
+              (32, 128, 4, 4, True, 128),
+              (64, 64, 4, 4, True, 128), (64, 128, 8, 3, True, 128), (64, 128, 4, 3, False, 128),
+              (64, 256, 8, 3, False, 128),
+              (128, 64, 4, 3, False, 128), (128, 128, 8, 3, False, 128), (128, 256, 8, 3, False, 128),
+              (256, 128, 8, 3, False, 128), (256, 64, 8, 3, False, 128),
+              (64, 64, 4, 3, False, 128), (64, 128, 8, 3, True, 64))  # the last two: kernels run 44
+# (BM, BN, x buffers) of the pipelined Gluon kernel ([Note: pipelined wdot] in _pipelined_kernels), from 128 rows,
+# 4 warps per 64 weight rows; each with split-K where the tiles do not fill the GPU
+PIPELINED_TILES = ((128, 64, 4), (128, 128, 4), (256, 64, 4), (256, 128, 4), (128, 256, 4))
+PIPELINED_MIN_M = 128
 
 
-def _full_block_w(fmt: int, group: int) -> int | None:
-    """Words per full-depth tile: 128 columns where the groups allow, at least the 16 columns of one MMA step."""
+def _full_block_w(fmt: int, group: int, cols: int = 128) -> int | None:
+    """Words per full-depth tile: ``cols`` columns (128 or 64) where the groups allow, else the widest narrower
+    tile that does, at least the 16 columns of one MMA step."""
     if fmt == FMT_W4 and group % CPW[fmt]:
         return None  # a word would straddle two groups
     return next((bw for bw in (128 // CPW[fmt], 64 // CPW[fmt], 32 // CPW[fmt], 16 // CPW[fmt])
-                 if _group_ok(fmt, bw, group, 0)), None)
+                 if bw * CPW[fmt] <= cols and _group_ok(fmt, bw, group, 0)), None)
 
 
 def _splits(progs: int, tiles: int, sms: int, waves: tuple[int, ...] = (1,)) -> list[int]:
@@ -325,14 +348,26 @@ def full_depth_candidates(fmt: int, m: int, n: int, kw: int, group: int, device:
     sms = _sm_count(device.index or 0)
     mb = m_bucket(m)
     out = []
-    for bm, bn, warps, stages, swap in FULL_TILES:
+    for bm, bn, warps, stages, swap, cols in FULL_TILES:
         if bm > max(16, mb) or bm < (max(16, mb) if mb <= 64 else 128):
             continue
+        bw = _full_block_w(fmt, group, cols)
         for sp in _splits(cdiv(m, bm) * cdiv(n, bn), cdiv(kw, bw), sms, (1, 4)):
             fixup = sp > 1 and _fixup_fits(m, n, sp, bm, bn)  # [Note: split-K fix-up]: never slower than atomics
             out.append(WordConfig(bm, bn, bw, sp, warps, stages, full_depth=True, order=3, swap=swap, fixup=fixup))
     if packed and mb >= 64:
         out += [replace(c, scales_ahead=True) for c in out]
+    if packed == 1 and fmt == FMT_W4 and mb >= PIPELINED_MIN_M:
+        from ._pipelined import pipelined_possible
+
+        if pipelined_possible(device, group=group, k=kw * CPW[fmt]):
+            for bm, bn, xs in PIPELINED_TILES:
+                if bm > mb:
+                    continue
+                for sp in _splits(cdiv(m, bm) * cdiv(n, bn), kw // 8, sms):
+                    if sp == 1 or _fixup_fits(m, n, sp, bm, bn):
+                        out.append(WordConfig(bm, bn, 8, sp, bn // 16, xs, 8, full_depth=True, order=3,
+                                              pipelined=True, fixup=sp > 1))
     return out
 
 
@@ -545,6 +580,13 @@ def packed_dequant(fmt: int, x_dtype: torch.dtype, s_dtype: torch.dtype, device_
 
 
 def run_wdot(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> torch.Tensor:
+    key, candidates, launch = wdot_launcher(x, words, s, z, fmt=fmt, group=group, n=n, k=k)
+    return launch(_pick(key, candidates, launch))
+
+
+def wdot_launcher(x, words, s, z, *, fmt: int, group: int, n: int, k: int):
+    """``(key, candidates, launch)`` of the ``wdot`` path for these operands: the tuning key, the configs it tunes
+    over and ``launch(config)``, which runs one config (``benchmarks/wdot_tiles.py`` times any config with it)."""
     if fmt not in (FMT_W8, FMT_W4):
         raise ValueError(f"the wdot path has no kernel for format {fmt}; use gemv, tiled or dense")
     _check_groups("wdot", fmt, group)
@@ -557,6 +599,14 @@ def run_wdot(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
                          "must lie in one group or span whole groups); use path='splitk', 'tiled' or 'dense'")
 
     def launch(c: WordConfig) -> torch.Tensor:  # the plane-major copy, where read, is timed with the kernel
+        if c.pipelined:
+            from ._pipelined import run_pipelined
+
+            ws = _stationary_workspace(x.device) if c.split_k > 1 else None
+            fits = ws is not None and _fixup_fits(m, n, c.split_k, c.block_m, c.block_n)
+            return run_pipelined(x, words, s, z, group=group, n=n, k=k, block_m=c.block_m, block_n=c.block_n,
+                                 stages=c.stages, q_stages=c.prefetch, split_k=c.split_k if fits else 1,
+                                 workspace=ws if fits else None)  # no workspace yet (a capture): one slice
         xs = x if c.full_depth and c.order != 2 else plane_major(x, CPW[fmt])
         ws = _stationary_workspace(x.device) if c.fixup and _fixup_fits(m, n, c.split_k, c.block_m, c.block_n) else None
         fixup = ws is not None  # else atomics: in a capture before the first eager call, or past the workspace
@@ -579,4 +629,4 @@ def run_wdot(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
         return out if c.split_k == 1 or fixup else out.to(x.dtype)
 
     key = ("wdot", fmt, group, z is not None, m_bucket(m), n, k, x.dtype) + ((f"packed{packed}",) if packed else ())
-    return launch(_pick(key, candidates, launch))
+    return key, candidates, launch

@@ -1,0 +1,77 @@
+"""Launcher of the pipelined INT4 GEMM for Hopper ([Note: pipelined wdot] in ``_pipelined_kernels``).
+
+The ``wdot`` path offers it beside the full-depth kernel's tiles where :func:`pipelined_fits`; it runs only
+compiled, on an sm_90 GPU (the interpreter cannot run Gluon), so CPU tests compile it for sm_90 and check its
+schedule, and GPU runs check its outputs (``benchmarks/wdot_tiles.py``, ``benchmarks/packed_check.py``).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ._runtime import cdiv, interpreting
+
+TILE_K = 64  # columns per tile (``_pipelined_kernels.BK``)
+
+
+@functools.cache
+def _gluon_ok() -> bool:
+    try:
+        from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma_wait  # noqa: F401
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _kernels():
+    from . import _pipelined_kernels
+
+    return _pipelined_kernels
+
+
+def pipelined_possible(device: torch.device, *, group: int, k: int) -> bool:
+    """Whether the pipelined kernel can run here: an sm_90 GPU, compiled (not interpreted), a Triton with Gluon,
+    groups of whole 64-column tiles and at least two tiles of ``K``."""
+    if interpreting() or device.type != "cuda" or group % TILE_K or k % TILE_K or k // TILE_K < 2:
+        return False
+    if not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) == (9, 0) and _gluon_ok()
+
+
+def pipelined_fits(x: torch.Tensor, s: torch.Tensor, *, group: int, k: int, stages: int = 2) -> bool:
+    """:func:`pipelined_possible`, with bf16 ``x`` and scales."""
+    return x.dtype == torch.bfloat16 and s.dtype == torch.bfloat16 and pipelined_possible(x.device, group=group, k=k)
+
+
+def run_pipelined(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, *, group: int,
+                  n: int, k: int, block_m: int, block_n: int, stages: int, q_stages: int, split_k: int = 1,
+                  workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """``x @ dequant(W)^T`` in bf16: ``x`` (M, K) bf16, ``words`` (N, K / 8) int32, ``s`` (N, groups) bf16, ``z``
+    (N, groups) uint8 or ``None`` (symmetric). ``block_n`` 64 (4 warps) or 128 (8 warps); ``block_m`` 16-256;
+    ``stages`` buffers of ``x`` tiles and ``q_stages`` of word tiles; ``split_k`` slices of ``K``, their partials
+    summed in ``workspace`` ``(partials, counters)`` ([Note: split-K fix-up] in ``_word``)."""
+    if split_k > 1 and workspace is None:
+        raise ValueError("run_pipelined: split_k > 1 needs the fix-up workspace (partials, counters)")
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    m = x.shape[0]
+    if x.stride(1) != 1 or (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
+        x = x.contiguous() if x.data_ptr() % 16 == 0 else x.clone()  # TMA: 16-byte aligned base and rows
+    x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, TILE_K],
+                              gl.NVMMASharedLayout.get_default_for([block_m, TILE_K], gl.bfloat16))
+    kw = words.shape[1]
+    w_desc = TensorDescriptor(words, [n, kw], [words.stride(0), 1], [block_n, TILE_K // 8],
+                              gl.NVMMASharedLayout.get_default_for([block_n, TILE_K // 8], gl.int32))
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    parts, counters = workspace if split_k > 1 else (out, words)
+    _kernels().w4_pipelined_kernel[(cdiv(n, block_n), cdiv(m, block_m), split_k)](
+        x_desc, w_desc, s, z if z is not None else s, out, parts, counters, m, n, k, split_k, s.stride(0),
+        out.stride(0),
+        GROUP=group, HAS_ZEROS=z is not None, BLOCK_N=block_n, BLOCK_M=block_m, XSTAGES=stages, QSTAGES=q_stages,
+        W_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_n, TILE_K], gl.bfloat16), num_warps=block_n // 16)
+    return out

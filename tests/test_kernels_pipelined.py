@@ -1,0 +1,147 @@
+"""The pipelined INT4 GEMM for Hopper ([Note: pipelined wdot] in kernels/_pipelined_kernels.py), a Gluon kernel that
+the CPU interpreter cannot run. Here: when the tuner offers it, and that it compiles for sm_90 into the schedule
+it exists for: each tile's ``wgmma`` issued asynchronously, both operands in shared memory, and retired only down
+to one in flight, so the next tile's dequantization overlaps it. (Triton 3.6, on the GPU machines, compiles the
+full-depth kernel's swapped tiles with a wait for every ``wgmma`` before the next; Triton 3.9, here, no longer
+does, so that is not tested.) Its values are checked on the GPU (``benchmarks/wdot_tiles.py`` compares every config with the reference;
+benchmarks/RESULTS.md, kernels runs 45-47)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from zspeed.kernels import _pipelined, _word
+from zspeed.kernels._gemm import FMT_W4, FMT_W8
+
+
+def test_offered_for_packed_int4_from_128_rows_on_hopper_only(monkeypatch):
+    monkeypatch.setattr(_word, "interpreting", lambda: False)
+    monkeypatch.setattr(_word, "_sm_count", lambda index: 132)
+    gpu = torch.device("cuda", 0)
+    seen = []
+    monkeypatch.setattr(_pipelined, "pipelined_possible", lambda device, *, group, k: seen.append((group, k)) or True)
+    for m in (1, 16, 64, 100, 128, 256, 511):
+        got = [c for c in _word.full_depth_candidates(FMT_W4, m, 8192, 1024, 128, gpu, packed=1) if c.pipelined]
+        if m <= 64:
+            assert not got
+            continue
+        assert got and all(c.block_m <= max(128, m) and c.warps == c.block_n // 16 and c.fixup == (c.split_k > 1)
+                           for c in got)
+        assert {c.block_m for c in got} == ({128} if m <= 128 else {128, 256})
+    assert seen and all(s == (128, 8192) for s in seen)
+    for packed, fmt in ((0, FMT_W4), (2, FMT_W4), (0, FMT_W8)):  # fp32 path, fp16 scales, INT8: not offered
+        assert not any(c.pipelined for c in _word.full_depth_candidates(fmt, 256, 8192, 1024, 128, gpu, packed))
+    monkeypatch.setattr(_pipelined, "pipelined_possible", lambda device, *, group, k: False)
+    assert not any(c.pipelined for c in _word.full_depth_candidates(FMT_W4, 256, 8192, 1024, 128, gpu, packed=1))
+
+
+def test_possible_only_compiled_on_an_sm90_gpu_with_whole_tiles_per_group(monkeypatch):
+    assert not _pipelined.pipelined_possible(torch.device("cpu"), group=128, k=8192)
+    monkeypatch.setattr(_pipelined, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_pipelined, "_gluon_ok", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    gpu = torch.device("cuda", 0)
+    assert _pipelined.pipelined_possible(gpu, group=128, k=8192)
+    assert _pipelined.pipelined_possible(gpu, group=64, k=128)
+    assert not _pipelined.pipelined_possible(gpu, group=32, k=8192)  # a 64-column tile would span two groups
+    assert not _pipelined.pipelined_possible(gpu, group=128, k=8192 + 32)
+    assert not _pipelined.pipelined_possible(gpu, group=64, k=64)  # one tile: nothing to overlap
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert not _pipelined.pipelined_possible(gpu, group=128, k=8192)  # wgmma is Hopper's
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(_pipelined, "interpreting", lambda: True)
+    assert not _pipelined.pipelined_possible(gpu, group=128, k=8192)
+    x = torch.zeros(4, 8192, dtype=torch.bfloat16)
+    monkeypatch.setattr(_pipelined, "interpreting", lambda: False)
+    monkeypatch.setattr(_pipelined, "pipelined_possible", lambda device, *, group, k: True)
+    assert _pipelined.pipelined_fits(x, x, group=128, k=8192)
+    assert not _pipelined.pipelined_fits(x.half(), x.half(), group=128, k=8192)  # the PTX is bf16's
+    assert not _pipelined.pipelined_fits(x, x.half(), group=128, k=8192)
+
+
+_COMPILE = r'''
+import json, os, re, subprocess, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.jit import mangle_type
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+opts = json.loads(sys.argv[1])
+if True:
+    from zspeed.kernels import _pipelined_kernels as P
+    bn, bm, xs = opts["BN"], opts["BM"], opts["XS"]
+    m, n, k = 256, 8192, 8192
+    x = torch.empty(m, k, dtype=torch.bfloat16)
+    w = torch.empty(n, k // 8, dtype=torch.int32)
+    args = dict(x_desc=TensorDescriptor(x, [m, k], [k, 1], [bm, 64],
+                                        gl.NVMMASharedLayout.get_default_for([bm, 64], gl.bfloat16)),
+                w_desc=TensorDescriptor(w, [n, k // 8], [k // 8, 1], [bn, 8],
+                                        gl.NVMMASharedLayout.get_default_for([bn, 8], gl.int32)),
+                s_ptr=torch.empty(1, dtype=torch.bfloat16), z_ptr=torch.empty(1, dtype=torch.uint8),
+                out_ptr=torch.empty(1, dtype=torch.bfloat16), part_ptr=torch.empty(1, dtype=torch.float32),
+                count_ptr=torch.empty(1, dtype=torch.int32), M=m, N=n, K=k, SPLIT_K=2, stride_sn=64, stride_om=n)
+    sig = {name: mangle_type(v) for name, v in args.items()}
+    const = dict(GROUP=128, HAS_ZEROS=True, BLOCK_N=bn, BLOCK_M=bm, XSTAGES=xs, QSTAGES=8,
+                 W_LAYOUT=gl.NVMMASharedLayout.get_default_for([bn, 64], gl.bfloat16), num_warps=bn // 16)
+    sig.update({name: "constexpr" for name in const})
+    kernel = triton.compile(GluonASTSource(P.w4_pipelined_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": bn // 16})
+path = sys.argv[2]
+open(path, "wb").write(kernel.asm["cubin"])
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+code = re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", sass, flags=re.M)
+print(json.dumps({"code": [[int(a, 16), op, rest.strip()] for a, op, rest in code], "shared": kernel.metadata.shared}))
+'''
+
+
+def _sass(tmp_path: Path, **opts) -> dict:
+    import triton
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not (bin_dir / "ptxas").exists() or not (bin_dir / "cuobjdump").exists():
+        pytest.skip(f"this triton wheel has no CUDA toolchain in {bin_dir}")
+    if not _pipelined._gluon_ok():
+        pytest.skip("this triton has no Gluon for Hopper")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, do not interpret
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    cubin = tmp_path / f"{opts['kind']}_{abs(hash(json.dumps(opts, sort_keys=True)))}.cubin"
+    proc = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(opts), str(cubin)], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _main_loop(code: list) -> list:
+    """The instructions of the loop that holds the MMAs: from the target of the first backward branch after the
+    last ``HGMMA`` to that branch."""
+    last = max(i for i, (_, op, _) in enumerate(code) if op.startswith("HGMMA"))
+    for addr, op, rest in code[last:]:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            return [(a, o, r) for a, o, r in code if int(target.group(1), 16) <= a <= addr]
+    raise AssertionError("no loop around the HGMMAs")
+
+
+@pytest.mark.parametrize("bn,bm,xs", [(64, 128, 4), (128, 256, 4), (256, 128, 4)])
+def test_compiles_for_hopper_with_each_wgmma_overlapping_the_next_tile(tmp_path, bn, bm, xs):
+    got = _sass(tmp_path, kind="pipelined", BN=bn, BM=bm, XS=xs)
+    loop = _main_loop(got["code"])
+    ops = [op for _, op, _ in loop]
+    waits = [rest for _, op, rest in loop if op.startswith("WARPGROUP.DEPBAR")]
+    assert sum(op.startswith("HGMMA") for op in ops) == 4  # 64 columns a tile: four k16 steps, operands in shared
+    assert all("gdesc" in rest and " R" not in rest.split("gdesc")[0].split(",", 1)[1] for _, op, rest in loop
+               if op.startswith("HGMMA"))  # no register operand: A and B both from shared memory
+    assert waits == ["gsb0, 0x1"]  # retired down to one in flight, once per tile
+    assert sum(op.startswith("BAR.SYNC") for op in ops) <= 8  # the tile's barrier, and the TMA issues'
+    assert got["shared"] <= 232448  # an H100's shared memory per block
