@@ -13,6 +13,7 @@ import torch
 from ._runtime import cdiv, interpreting
 
 TILE_K = 64  # columns per tile (``_pipelined_kernels.BK``)
+_GL = {torch.bfloat16: "bfloat16", torch.float16: "float16"}  # x's dtype -> its Gluon name
 
 
 @functools.cache
@@ -43,14 +44,15 @@ def pipelined_possible(device: torch.device, *, group: int, k: int) -> bool:
 
 
 def pipelined_fits(x: torch.Tensor, s: torch.Tensor, *, group: int, k: int, stages: int = 2) -> bool:
-    """:func:`pipelined_possible`, with bf16 ``x`` and scales."""
-    return x.dtype == torch.bfloat16 and s.dtype == torch.bfloat16 and pipelined_possible(x.device, group=group, k=k)
+    """:func:`pipelined_possible`, with ``x`` and scales both bf16 or both fp16."""
+    return x.dtype in _GL and s.dtype == x.dtype and pipelined_possible(x.device, group=group, k=k)
 
 
 def run_pipelined(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, *, group: int,
                   n: int, k: int, block_m: int, block_n: int, stages: int, q_stages: int, split_k: int = 1,
                   workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """``x @ dequant(W)^T`` in bf16: ``x`` (M, K) bf16, ``words`` (N, K / 8) int32, ``s`` (N, groups) bf16, ``z``
+    """``x @ dequant(W)^T`` in ``x``'s dtype: ``x`` (M, K) bf16 or fp16, ``words`` (N, K / 8) int32, ``s`` (N,
+    groups) in ``x``'s dtype, ``z``
     (N, groups) uint8 or ``None`` (symmetric). ``block_n`` 64 (4 warps) or 128 (8 warps); ``block_m`` 16-256;
     ``stages`` buffers of ``x`` tiles and ``q_stages`` of word tiles; ``split_k`` slices of ``K``, their partials
     summed in ``workspace`` ``(partials, counters)`` ([Note: split-K fix-up] in ``_word``)."""
@@ -62,8 +64,9 @@ def run_pipelined(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torc
     m = x.shape[0]
     if x.stride(1) != 1 or (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
         x = x.contiguous() if x.data_ptr() % 16 == 0 else x.clone()  # TMA: 16-byte aligned base and rows
+    dt = getattr(gl, _GL[x.dtype])
     x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, TILE_K],
-                              gl.NVMMASharedLayout.get_default_for([block_m, TILE_K], gl.bfloat16))
+                              gl.NVMMASharedLayout.get_default_for([block_m, TILE_K], dt))
     kw = words.shape[1]
     w_desc = TensorDescriptor(words, [n, kw], [words.stride(0), 1], [block_n, TILE_K // 8],
                               gl.NVMMASharedLayout.get_default_for([block_n, TILE_K // 8], gl.int32))
@@ -73,5 +76,5 @@ def run_pipelined(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torc
         x_desc, w_desc, s, z if z is not None else s, out, parts, counters, m, n, k, split_k, s.stride(0),
         out.stride(0),
         GROUP=group, HAS_ZEROS=z is not None, BLOCK_N=block_n, BLOCK_M=block_m, XSTAGES=stages, QSTAGES=q_stages,
-        W_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_n, TILE_K], gl.bfloat16), num_warps=block_n // 16)
+        W_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_n, TILE_K], dt), num_warps=block_n // 16)
     return out

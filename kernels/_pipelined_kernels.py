@@ -54,7 +54,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from ._wmma_kernels import _ASM_BF16, _ASM_IO
+from ._wmma_kernels import _ASM_BF16, _ASM_F16, _ASM_IO
 
 # the TMA load is ``async_load`` from Triton 3.7 on, ``async_copy_global_to_shared`` before (the device has 3.6)
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
@@ -82,22 +82,30 @@ def _scale_chunk(s_ptr, z_ptr, rows, rmask, cols, c, groups, stride_sn, HAS_ZERO
 @gluon.jit
 def _tile_scales(s_chunk, z_chunk, cols, j, WORDS_LAYOUT: gl.constexpr, BW: gl.constexpr):
     """Column ``j`` of a chunk (``_scale_chunk``), spread over the words' ``(BN, BW)`` layout: the scale, and
-    ``128 + zero point``, in bf16 ([Note: packed INT4 dequantization] in ``_wmma_kernels``)."""
+    ``128 + zero point`` (fp16: ``1024 + zero point``), in the scales' dtype ([Note: packed INT4 dequantization] in
+    ``_wmma_kernels``)."""
     pick = (cols == j)[None, :]
     s = gl.sum(gl.where(pick, s_chunk.to(gl.float32), 0.0), axis=1)
     z = gl.sum(gl.where(pick, z_chunk.to(gl.float32), 0.0), axis=1)
     row_l: gl.constexpr = gl.SliceLayout(1, WORDS_LAYOUT)
     zero = gl.zeros([s_chunk.shape[0], BW], gl.float32, WORDS_LAYOUT)
-    s2 = (gl.convert_layout(s, row_l)[:, None] + zero).to(gl.bfloat16)
-    z2 = (gl.convert_layout(z + 128.0, row_l)[:, None] + zero).to(gl.bfloat16)
+    dtype: gl.constexpr = s_chunk.dtype  # bf16 or fp16, x's: the exponent base is 128 (bf16) or 1024 (fp16)
+    base: gl.constexpr = 1024.0 if dtype == gl.float16 else 128.0
+    s2 = (gl.convert_layout(s, row_l)[:, None] + zero).to(dtype)
+    z2 = (gl.convert_layout(z + base, row_l)[:, None] + zero).to(dtype)
     return s2, z2
 
 
 @gluon.jit
 def _dequant_to(buf, w, s, zz):
-    """INT4 words ``(BN, BW)`` -> ``buf`` ``(BN, 8 * BW)`` bf16, ``(q - z) * s`` in the natural column order."""
-    f0, f1, f2, f3, f4, f5, f6, f7 = gl.inline_asm_elementwise(_ASM_BF16, _ASM_IO, [w, s, zz],
-                                                               dtype=(gl.bfloat16, ) * 8, is_pure=True, pack=2)
+    """INT4 words ``(BN, BW)`` -> ``buf`` ``(BN, 8 * BW)`` in the scales' dtype (bf16 or fp16), ``(q - z) * s`` in
+    the natural column order."""
+    if s.dtype == gl.float16:
+        f0, f1, f2, f3, f4, f5, f6, f7 = gl.inline_asm_elementwise(_ASM_F16, _ASM_IO, [w, s, zz],
+                                                                   dtype=(gl.float16, ) * 8, is_pure=True, pack=2)
+    else:
+        f0, f1, f2, f3, f4, f5, f6, f7 = gl.inline_asm_elementwise(_ASM_BF16, _ASM_IO, [w, s, zz],
+                                                                   dtype=(gl.bfloat16, ) * 8, is_pure=True, pack=2)
     t = gl.join(gl.join(gl.join(f0, f4), gl.join(f2, f6)), gl.join(gl.join(f1, f5), gl.join(f3, f7)))
     bn: gl.constexpr = w.shape[0]
     buf.store(gl.reshape(t, [bn, 8 * BW]))
@@ -108,7 +116,7 @@ def w4_pipelined_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_p
                         stride_om, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr,
                         BLOCK_M: gl.constexpr, XSTAGES: gl.constexpr, QSTAGES: gl.constexpr, W_LAYOUT: gl.constexpr,
                         num_warps: gl.constexpr):
-    """``out[M, N] = x @ dequant(W)^T`` for INT4 words with scales in bf16 ([Note: pipelined wdot]). Grid
+    """``out[M, N] = x @ dequant(W)^T`` for INT4 words, ``x`` and scales in bf16 or fp16 ([Note: pipelined wdot]). Grid
     ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K)``; ``K`` a multiple of 64, ``GROUP`` of 64. Where ``K`` is
     split, each split stores its fp32 partial in ``part_ptr`` and the tile's last split sums them in split order
     ([Note: split-K fix-up] in ``_word``)."""
@@ -130,9 +138,9 @@ def w4_pipelined_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_p
                                              order=[1, 0])
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                     instr_shape=[16, BLOCK_M, 16])
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [XSTAGES, BLOCK_M, BK], x_desc.layout)
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [XSTAGES, BLOCK_M, BK], x_desc.layout)
     q_smem = gl.allocate_shared_memory(gl.int32, [QSTAGES, BLOCK_N, BW], w_desc.layout)
-    w_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_N, BK], W_LAYOUT)
+    w_smem = gl.allocate_shared_memory(x_desc.dtype, [2, BLOCK_N, BK], W_LAYOUT)
     x_ready = gl.allocate_shared_memory(gl.int64, [XSTAGES, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [QSTAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(XSTAGES):

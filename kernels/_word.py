@@ -99,7 +99,7 @@ class WordConfig:
     # ([Note: packed INT4 dequantization] in _wmma_kernels)
     fixup: bool = False  # full_depth with split_k > 1: partials summed by each tile's last program, not fp32
     # atomics into a zeroed buffer ([Note: split-K fix-up])
-    pipelined: bool = False  # wdot, INT4 in bf16 on sm_90: the Gluon kernel that overlaps dequantization and MMA
+    pipelined: bool = False  # wdot, INT4 in bf16 / fp16 on sm_90: the Gluon kernel that overlaps dequantization and MMA
     # ([Note: pipelined wdot] in _pipelined_kernels); block_m x rows, block_n weight rows, stages buffers of x
     # tiles, prefetch buffers of word tiles
 
@@ -357,7 +357,7 @@ def full_depth_candidates(fmt: int, m: int, n: int, kw: int, group: int, device:
             out.append(WordConfig(bm, bn, bw, sp, warps, stages, full_depth=True, order=3, swap=swap, fixup=fixup))
     if packed and mb >= 64:
         out += [replace(c, scales_ahead=True) for c in out]
-    if packed == 1 and fmt == FMT_W4 and mb >= PIPELINED_MIN_M:
+    if packed in (1, 2) and fmt == FMT_W4 and mb >= PIPELINED_MIN_M:  # INT4, scales in x's bf16 or fp16
         from ._pipelined import pipelined_possible
 
         if pipelined_possible(device, group=group, k=kw * CPW[fmt]):

@@ -36,7 +36,8 @@ def test_offered_for_packed_int4_from_128_rows_on_hopper_only(monkeypatch):
                            for c in got)
         assert {c.block_m for c in got} == ({128} if m <= 128 else {128, 256})
     assert seen and all(s == (128, 8192) for s in seen)
-    for packed, fmt in ((0, FMT_W4), (2, FMT_W4), (0, FMT_W8)):  # fp32 path, fp16 scales, INT8: not offered
+    assert any(c.pipelined for c in _word.full_depth_candidates(FMT_W4, 256, 8192, 1024, 128, gpu, 2))  # fp16
+    for packed, fmt in ((0, FMT_W4), (0, FMT_W8)):  # the fp32 path (scales not in x's dtype), INT8: not offered
         assert not any(c.pipelined for c in _word.full_depth_candidates(fmt, 256, 8192, 1024, 128, gpu, packed))
     monkeypatch.setattr(_pipelined, "pipelined_possible", lambda device, *, group, k: False)
     assert not any(c.pipelined for c in _word.full_depth_candidates(FMT_W4, 256, 8192, 1024, 128, gpu, packed=1))
@@ -63,8 +64,9 @@ def test_possible_only_compiled_on_an_sm90_gpu_with_whole_tiles_per_group(monkey
     monkeypatch.setattr(_pipelined, "interpreting", lambda: False)
     monkeypatch.setattr(_pipelined, "pipelined_possible", lambda device, *, group, k: True)
     assert _pipelined.pipelined_fits(x, x, group=128, k=8192)
-    assert not _pipelined.pipelined_fits(x.half(), x.half(), group=128, k=8192)  # the PTX is bf16's
-    assert not _pipelined.pipelined_fits(x, x.half(), group=128, k=8192)
+    assert _pipelined.pipelined_fits(x.half(), x.half(), group=128, k=8192)
+    assert not _pipelined.pipelined_fits(x, x.half(), group=128, k=8192)  # scales in x's dtype, or rounded twice
+    assert not _pipelined.pipelined_fits(x.float(), x.float(), group=128, k=8192)
 
 
 _COMPILE = r'''
