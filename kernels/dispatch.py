@@ -8,7 +8,11 @@ cores (``semi``). The defaults come from the H200 run in benchmarks/RESULTS.md
 (gemv beats wdot only at one row; wdot beats dequantize + cuBLAS up to 64 rows;
 sparse tensor cores beat everything for 2:4 from 256 rows); since the full-depth
 ``wdot`` kernel (session 8, H100) it also beats dequantize + cuBLAS at 256 rows for
-INT8 and INT4, so those go dense only from 512 rows (257-511 rows not measured).
+INT8 and INT4, so those go dense only from 512 rows (257-511 rows not measured). Where
+INT4 can take the pipelined Gluon kernel (Hopper, scales in ``x``'s bf16 / fp16; [Note:
+pipelined wdot] in ``_pipelined_kernels``) it beats dequantize + cuBLAS up to 1023 rows (H100,
+8192x8192: 0.77x against 0.58x at 512 rows, 0.75x against 0.73x at 1024, 0.69x against 0.82x
+at 2048; kernels runs 50-51), so INT4 goes dense from ``pipelined_dense_min_m`` rows there.
 Shapes the word kernels cannot read, and the 2:4 formats above ``gemv_max_m``, use
 the generic skeleton: split-K keeps the GPU full when the output has few tiles. At
 medium ``M`` a tiled GEMM still saves bytes. At large ``M`` the matmul is compute-bound
@@ -38,6 +42,7 @@ class KernelPolicy:
     dense_min_m: tuple[tuple[str, int], ...] = (("w8a16", 512), ("w4a16", 512), ("sparse24", 512),
                                                  ("sparse24_w4a16", 128))
     semi_min_m: int = 128
+    pipelined_dense_min_m: int = 1024  # INT4 where the pipelined kernel runs ([Note: crossover])
     force: str | None = None
 
     def __post_init__(self) -> None:
@@ -47,10 +52,12 @@ class KernelPolicy:
             raise ValueError(f"KernelPolicy thresholds must be counts >= 0, got gemv_max_m={self.gemv_max_m}, "
                              f"splitk_max_m={self.splitk_max_m}")
 
-    def path(self, fmt: str, m: int, *, words: bool = True, semi: bool = False, wdot: bool = True) -> str:
+    def path(self, fmt: str, m: int, *, words: bool = True, semi: bool = False, wdot: bool = True,
+             pipelined: bool = False) -> str:
         """The path for ``m`` rows; ``words``: whether the weight can be read word-wise (``_word.word_view``,
         ``_word.words_fit_groups``); ``semi``: whether plain 2:4 can run on sparse tensor cores
-        (``semi.semi_supported``); ``wdot``: whether the tensor-core word kernel has a tile for the groups."""
+        (``semi.semi_supported``); ``wdot``: whether the tensor-core word kernel has a tile for the groups;
+        ``pipelined``: whether INT4 can take the pipelined kernel (``_pipelined.pipelined_fits``)."""
         forced = self.force or os.environ.get("ZSPEED_KERNEL_PATH") or None
         if forced:
             if forced not in PATH_NAMES:
@@ -60,7 +67,10 @@ class KernelPolicy:
             return "gemv"
         if semi and fmt == "sparse24" and m >= self.semi_min_m:
             return "semi"
-        if m >= dict(self.dense_min_m).get(fmt, 1024):
+        dense_min = dict(self.dense_min_m).get(fmt, 1024)
+        if pipelined and fmt == "w4a16" and words and wdot:
+            dense_min = max(dense_min, self.pipelined_dense_min_m)
+        if m >= dense_min:
             return "dense"
         if words and wdot and fmt in WDOT_FORMATS:
             return "wdot"

@@ -147,3 +147,27 @@ def test_compiles_for_hopper_with_each_wgmma_overlapping_the_next_tile(tmp_path,
     assert waits == ["gsb0, 0x1"]  # retired down to one in flight, once per tile
     assert sum(op.startswith("BAR.SYNC") for op in ops) <= 8  # the tile's barrier, and the TMA issues'
     assert got["shared"] <= 232448  # an H100's shared memory per block
+
+
+def test_int4_goes_dense_later_where_the_pipelined_kernel_runs(monkeypatch):
+    """[Note: crossover] in kernels/dispatch.py: with the pipelined kernel INT4 keeps the wdot path up to 1023 rows
+    (it beat dequantize + cuBLAS at 512 rows and tied at 1024, kernels runs 50-51); other formats, and INT4 that
+    cannot take it, go dense from 512 rows as before. The launcher asks only where the answer can change."""
+    from zspeed.kernels import kernel_policy
+    from zspeed.kernels.dispatch import KernelPolicy
+
+    policy = kernel_policy()
+    assert policy.path("w4a16", 512) == "dense" and policy.path("w4a16", 512, pipelined=True) == "wdot"
+    assert policy.path("w4a16", 1023, pipelined=True) == "wdot" and policy.path("w4a16", 1024, pipelined=True) == "dense"
+    assert policy.path("w8a16", 512, pipelined=True) == "dense"
+    assert policy.path("w4a16", 512, pipelined=True, wdot=False) == "dense"  # no tile for these groups
+    assert KernelPolicy(pipelined_dense_min_m=256).path("w4a16", 300, pipelined=True) == "wdot"  # never earlier
+    asked = []
+    monkeypatch.setattr(_pipelined, "pipelined_fits", lambda x, s, *, group, k: asked.append(x.shape[0]) or False)
+    from zspeed.compress import quantize_int4
+    from zspeed.kernels import w4a16_matmul
+
+    q = quantize_int4(torch.randn(16, 128), group_size=128)
+    for m in (2, 600):
+        w4a16_matmul(torch.randn(m, 128), q.qweight, q.scales, q.zeros, 128)
+    assert asked == [600]
