@@ -249,7 +249,7 @@ TMA_TILES = ((4, 64, 4), (4, 32, 4), (2, 64, 4), (8, 32, 4))  # (groups per slic
 # register kernel was faster at every shape timed)
 TMA_RUNS = (4, 8, 16)  # row blocks per program
 TMA_STAGES = (3, 4)  # num_stages: 2 or 3 blocks in flight per program ([Note: TMA weight stream])
-STATIONARY_WORKSPACE = 1 << 22  # fp32 partial sums (16 MiB) per device; slices x rows x N must fit
+STATIONARY_WORKSPACE = 1 << 23  # fp32 partial sums (32 MiB) per device; slices x rows x N must fit
 WORKSPACE_COUNTERS = 1 << 16  # one per run of rows (x-stationary) or output tile (wdot's fix-up)
 
 
@@ -364,7 +364,9 @@ def full_depth_candidates(fmt: int, m: int, n: int, kw: int, group: int, device:
             for bm, bn, xs in PIPELINED_TILES:
                 if bm > mb:
                     continue
-                for sp in _splits(cdiv(m, bm) * cdiv(n, bn), kw // 8, sms):
+                progs = cdiv(m, bm) * cdiv(n, bn)
+                under = 1 << max(0, (sms // progs).bit_length() - 1) if progs < sms else 1  # just under a wave
+                for sp in sorted(set(_splits(progs, kw // 8, sms)) | {under}):
                     if sp == 1 or _fixup_fits(m, n, sp, bm, bn):
                         out.append(WordConfig(bm, bn, 8, sp, bn // 16, xs, 8, full_depth=True, order=3,
                                               pipelined=True, fixup=sp > 1))
