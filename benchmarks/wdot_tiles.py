@@ -58,12 +58,20 @@ def trial_configs(fmt: int, m: int, n: int, kw: int, group: int, packed: int, sm
     return out
 
 
-def pipelined_configs(m: int) -> list[_word.WordConfig]:
+def pipelined_configs(m: int, n: int, kw: int, sms: int) -> list[_word.WordConfig]:
     """Tiles of the pipelined Gluon kernel ([Note: pipelined wdot] in kernels/_pipelined_kernels.py) below the rows
-    where the tuner offers it (``_word.PIPELINED_MIN_M``)."""
+    where the tuner offers it (``_word.PIPELINED_MIN_M``), each with split-K to fill the GPU once or four times."""
     mb = max(16, min(256, m_bucket(m)))
-    return [_word.WordConfig(mb, bn, 8, 1, bn // 16, xs, 8, full_depth=True, order=3, pipelined=True)
-            for bn in (64, 128) for xs in (4, 6)] if mb < _word.PIPELINED_MIN_M else []
+    if mb >= _word.PIPELINED_MIN_M:
+        return []
+    out = []
+    for bn, xs, qs in ((64, 4, 8), (64, 6, 16), (128, 4, 8)):
+        progs = cdiv(m, mb) * cdiv(n, bn)
+        for sp in _word._splits(progs, kw // 8, sms, (1, 4)):
+            if sp == 1 or _word._fixup_fits(m, n, sp, mb, bn):
+                out.append(_word.WordConfig(mb, bn, 8, sp, bn // 16, xs, qs, full_depth=True, order=3,
+                                            pipelined=True, fixup=sp > 1))
+    return out
 
 
 def one_cell(fmt_name: str, w: torch.Tensor, m: int, g: torch.Generator, only_tuned: bool,
@@ -87,8 +95,8 @@ def one_cell(fmt_name: str, w: torch.Tensor, m: int, g: torch.Generator, only_tu
     if pipelined and packed == 1:
         from zspeed.kernels._pipelined import pipelined_fits
 
-        trials += [c for c in pipelined_configs(m) if c not in tuned and pipelined_fits(x, s, group=group, k=k,
-                                                                                          stages=c.stages)]
+        if pipelined_fits(x, s, group=group, k=k):
+            trials += [c for c in pipelined_configs(m, n, words.shape[1], _word._sm_count(0)) if c not in tuned]
     bf16_us = graph_time_ms(lambda: F.linear(x, w)) * 1e3
     rows = []
     for origin, configs in (("tuned", tuned), ("trial", trials)):

@@ -43,17 +43,22 @@ def pipelined_possible(device: torch.device, *, group: int, k: int) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0) and _gluon_ok()
 
 
-def pipelined_fits(x: torch.Tensor, s: torch.Tensor, *, group: int, k: int, stages: int = 2) -> bool:
+def pipelined_fits(x: torch.Tensor, s: torch.Tensor, *, group: int, k: int) -> bool:
     """:func:`pipelined_possible`, with ``x`` and scales both bf16 or both fp16."""
     return x.dtype in _GL and s.dtype == x.dtype and pipelined_possible(x.device, group=group, k=k)
+
+
+def words_readable(words: torch.Tensor) -> bool:
+    """Whether TMA can read these INT4 words: a 16-byte aligned base and row stride, unit column stride."""
+    return words.stride(1) == 1 and words.data_ptr() % 16 == 0 and (words.stride(0) * words.element_size()) % 16 == 0
 
 
 def run_pipelined(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, *, group: int,
                   n: int, k: int, block_m: int, block_n: int, stages: int, q_stages: int, split_k: int = 1,
                   workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """``x @ dequant(W)^T`` in ``x``'s dtype: ``x`` (M, K) bf16 or fp16, ``words`` (N, K / 8) int32, ``s`` (N,
-    groups) in ``x``'s dtype, ``z``
-    (N, groups) uint8 or ``None`` (symmetric). ``block_n`` 64 (4 warps) or 128 (8 warps); ``block_m`` 16-256;
+    """``x @ dequant(W)^T`` in ``x``'s dtype: ``x`` (M, K) bf16 or fp16, ``words`` (N, K / 8) int32
+    (:func:`words_readable`), ``s`` (N, groups) in ``x``'s dtype, ``z`` (N, groups) uint8 or ``None`` (symmetric).
+    ``block_n`` 64 (4 warps), 128 (8) or 256 (16); ``block_m`` 16-256;
     ``stages`` buffers of ``x`` tiles and ``q_stages`` of word tiles; ``split_k`` slices of ``K``, their partials
     summed in ``workspace`` ``(partials, counters)`` ([Note: split-K fix-up] in ``_word``)."""
     if split_k > 1 and workspace is None:

@@ -218,12 +218,13 @@ def w4_pipelined_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_p
         if done == SPLIT_K - 1:  # 32 rows of x at a time, so that two tiles' registers are never live at once
             fix_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 1], threads_per_warp=[16, 2],
                                                    warps_per_cta=[1, num_warps], order=[0, 1])
+            FIX_M: gl.constexpr = 32 if BLOCK_M >= 32 else BLOCK_M  # every row of the tile, also below 32
             fn = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, fix_l))
-            for mb in gl.static_range(BLOCK_M // 32):
-                fm = off_m + mb * 32 + gl.arange(0, 32, layout=gl.SliceLayout(0, fix_l))
+            for mb in gl.static_range(BLOCK_M // FIX_M):
+                fm = off_m + mb * FIX_M + gl.arange(0, FIX_M, layout=gl.SliceLayout(0, fix_l))
                 fmask = (fn < N)[:, None] & (fm < M)[None, :]
                 ftile = fm[None, :] * N + fn[:, None]
-                total = gl.zeros([BLOCK_N, 32], gl.float32, fix_l)
+                total = gl.zeros([BLOCK_N, FIX_M], gl.float32, fix_l)
                 for k0 in range(0, SPLIT_K):
                     total += gl.load(part_ptr + k0 * M * N + ftile, mask=fmask, other=0.0, cache_modifier=".cg")
                 gl.store(out_ptr + fm[None, :] * stride_om + fn[:, None], total.to(out_ptr.dtype.element_ty),

@@ -596,6 +596,11 @@ def wdot_launcher(x, words, s, z, *, fmt: int, group: int, n: int, k: int):
     zz = z if z is not None else s
     packed = packed_dequant(fmt, x.dtype, s.dtype, x.device.type, group)  # tuned apart: its best tiles differ
     candidates = wdot_candidates(fmt, m, n, kw, group, x.device, packed)
+    if any(c.pipelined for c in candidates):
+        from ._pipelined import words_readable
+
+        if not words_readable(words):  # e.g. a view at an odd row offset: TMA cannot take it
+            candidates = [c for c in candidates if not c.pipelined]
     if not candidates:
         raise ValueError(f"the wdot path has no tile for groups of {group} columns (its tiles of 16 to 128 columns "
                          "must lie in one group or span whole groups); use path='splitk', 'tiled' or 'dense'")

@@ -67,6 +67,9 @@ def test_possible_only_compiled_on_an_sm90_gpu_with_whole_tiles_per_group(monkey
     assert _pipelined.pipelined_fits(x.half(), x.half(), group=128, k=8192)
     assert not _pipelined.pipelined_fits(x, x.half(), group=128, k=8192)  # scales in x's dtype, or rounded twice
     assert not _pipelined.pipelined_fits(x.float(), x.float(), group=128, k=8192)
+    words = torch.zeros(64, 1024 + 4, dtype=torch.int32)
+    assert _pipelined.words_readable(words[:, :1024]) and not _pipelined.words_readable(words[:, 1:1025])  # 4 bytes in
+    assert not _pipelined.words_readable(torch.zeros(64, 1026, dtype=torch.int32)[:, :1024])  # rows of 4104 bytes
 
 
 _COMPILE = r'''
@@ -103,7 +106,10 @@ open(path, "wb").write(kernel.asm["cubin"])
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
 code = re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", sass, flags=re.M)
-print(json.dumps({"code": [[int(a, 16), op, rest.strip()] for a, op, rest in code], "shared": kernel.metadata.shared}))
+ptx = kernel.asm["ptx"]
+fixup = ptx[ptx.find("atom.global.gpu.acq_rel"):]  # what the last split of a tile runs: the partials' sum
+print(json.dumps({"code": [[int(a, 16), op, rest.strip()] for a, op, rest in code], "shared": kernel.metadata.shared,
+                  "fixup": {"loads": fixup.count("ld.global.cg"), "stores": fixup.count("st.global")}}))
 '''
 
 
@@ -135,7 +141,7 @@ def _main_loop(code: list) -> list:
     raise AssertionError("no loop around the HGMMAs")
 
 
-@pytest.mark.parametrize("bn,bm,xs", [(64, 128, 4), (128, 256, 4), (256, 128, 4)])
+@pytest.mark.parametrize("bn,bm,xs", [(64, 128, 4), (128, 256, 4), (256, 128, 4), (64, 16, 4)])
 def test_compiles_for_hopper_with_each_wgmma_overlapping_the_next_tile(tmp_path, bn, bm, xs):
     got = _sass(tmp_path, kind="pipelined", BN=bn, BM=bm, XS=xs)
     loop = _main_loop(got["code"])
@@ -147,6 +153,9 @@ def test_compiles_for_hopper_with_each_wgmma_overlapping_the_next_tile(tmp_path,
     assert waits == ["gsb0, 0x1"]  # retired down to one in flight, once per tile
     assert sum(op.startswith("BAR.SYNC") for op in ops) <= 8  # the tile's barrier, and the TMA issues'
     assert got["shared"] <= 232448  # an H100's shared memory per block
+    # the split-K fix-up reads every split's partial and stores every element of the tile, also with fewer than 32
+    # rows of x (a first version stored none there: kernels run 56)
+    assert got["fixup"]["loads"] > 0 and got["fixup"]["stores"] > 0
 
 
 def test_int4_goes_dense_later_where_the_pipelined_kernel_runs(monkeypatch):
