@@ -309,8 +309,10 @@ FULL_TILES = ((16, 64, 4, 4, False, 128), (16, 128, 4, 3, False, 128), (16, 64, 
               (256, 128, 8, 3, False, 128), (256, 64, 8, 3, False, 128),
               (64, 64, 4, 3, False, 128), (64, 128, 8, 3, True, 64))  # the last two: kernels run 44
 # (BM, BN, x buffers) of the pipelined Gluon kernel ([Note: pipelined wdot] in _pipelined_kernels), from 128 rows,
-# 4 warps per 64 weight rows; each with split-K where the tiles do not fill the GPU
-PIPELINED_TILES = ((128, 64, 4), (128, 128, 4), (256, 64, 4), (256, 128, 4), (128, 256, 4))
+# 4 warps per 64 weight rows; each with split-K where the tiles do not fill the GPU. 256 weight rows (16 warps)
+# never won (0.31-0.55x at 256 rows, kernels runs 49 and 54); 192 (12 warps) is not a power of two, which Gluon's
+# tensors must be (run 58)
+PIPELINED_TILES = ((128, 64, 4), (128, 128, 4), (256, 64, 4), (256, 128, 4))
 PIPELINED_MIN_M = 128
 
 
