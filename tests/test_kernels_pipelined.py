@@ -3,8 +3,9 @@ the CPU interpreter cannot run. Here: when the tuner offers it, and that it comp
 it exists for: each tile's ``wgmma`` issued asynchronously, both operands in shared memory, and retired only down
 to one in flight, so the next tile's dequantization overlaps it. (Triton 3.6, on the GPU machines, compiles the
 full-depth kernel's swapped tiles with a wait for every ``wgmma`` before the next; Triton 3.9, here, no longer
-does, so that is not tested.) Its values are checked on the GPU (``benchmarks/wdot_tiles.py`` compares every config with the reference;
-benchmarks/RESULTS.md, kernels runs 45-47)."""
+does, so that is not tested.) Its values are checked on the GPU: ``benchmarks/wdot_tiles.py`` compares every config
+with the reference, ``benchmarks/packed_check.py`` one-hot rows bit for bit (benchmarks/RESULTS.md, kernels runs
+45-59)."""
 from __future__ import annotations
 
 import json
@@ -82,25 +83,24 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 opts = json.loads(sys.argv[1])
-if True:
-    from zspeed.kernels import _pipelined_kernels as P
-    bn, bm, xs = opts["BN"], opts["BM"], opts["XS"]
-    m, n, k = 256, 8192, 8192
-    x = torch.empty(m, k, dtype=torch.bfloat16)
-    w = torch.empty(n, k // 8, dtype=torch.int32)
-    args = dict(x_desc=TensorDescriptor(x, [m, k], [k, 1], [bm, 64],
-                                        gl.NVMMASharedLayout.get_default_for([bm, 64], gl.bfloat16)),
-                w_desc=TensorDescriptor(w, [n, k // 8], [k // 8, 1], [bn, 8],
-                                        gl.NVMMASharedLayout.get_default_for([bn, 8], gl.int32)),
-                s_ptr=torch.empty(1, dtype=torch.bfloat16), z_ptr=torch.empty(1, dtype=torch.uint8),
-                out_ptr=torch.empty(1, dtype=torch.bfloat16), part_ptr=torch.empty(1, dtype=torch.float32),
-                count_ptr=torch.empty(1, dtype=torch.int32), M=m, N=n, K=k, SPLIT_K=2, stride_sn=64, stride_om=n)
-    sig = {name: mangle_type(v) for name, v in args.items()}
-    const = dict(GROUP=128, HAS_ZEROS=True, BLOCK_N=bn, BLOCK_M=bm, XSTAGES=xs, QSTAGES=8,
-                 W_LAYOUT=gl.NVMMASharedLayout.get_default_for([bn, 64], gl.bfloat16), num_warps=bn // 16)
-    sig.update({name: "constexpr" for name in const})
-    kernel = triton.compile(GluonASTSource(P.w4_pipelined_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": bn // 16})
+from zspeed.kernels import _pipelined_kernels as P
+bn, bm, xs = opts["BN"], opts["BM"], opts["XS"]
+m, n, k = 256, 8192, 8192
+x = torch.empty(m, k, dtype=torch.bfloat16)
+w = torch.empty(n, k // 8, dtype=torch.int32)
+args = dict(x_desc=TensorDescriptor(x, [m, k], [k, 1], [bm, 64],
+                                    gl.NVMMASharedLayout.get_default_for([bm, 64], gl.bfloat16)),
+            w_desc=TensorDescriptor(w, [n, k // 8], [k // 8, 1], [bn, 8],
+                                    gl.NVMMASharedLayout.get_default_for([bn, 8], gl.int32)),
+            s_ptr=torch.empty(1, dtype=torch.bfloat16), z_ptr=torch.empty(1, dtype=torch.uint8),
+            out_ptr=torch.empty(1, dtype=torch.bfloat16), part_ptr=torch.empty(1, dtype=torch.float32),
+            count_ptr=torch.empty(1, dtype=torch.int32), M=m, N=n, K=k, SPLIT_K=2, stride_sn=64, stride_om=n)
+sig = {name: mangle_type(v) for name, v in args.items()}
+const = dict(GROUP=128, HAS_ZEROS=True, BLOCK_N=bn, BLOCK_M=bm, XSTAGES=xs, QSTAGES=8,
+             W_LAYOUT=gl.NVMMASharedLayout.get_default_for([bn, 64], gl.bfloat16), num_warps=bn // 16)
+sig.update({name: "constexpr" for name in const})
+kernel = triton.compile(GluonASTSource(P.w4_pipelined_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": bn // 16})
 path = sys.argv[2]
 open(path, "wb").write(kernel.asm["cubin"])
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -123,7 +123,7 @@ def _sass(tmp_path: Path, **opts) -> dict:
         pytest.skip("this triton has no Gluon for Hopper")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, do not interpret
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
-    cubin = tmp_path / f"{opts['kind']}_{abs(hash(json.dumps(opts, sort_keys=True)))}.cubin"
+    cubin = tmp_path / f"pipelined_{abs(hash(json.dumps(opts, sort_keys=True)))}.cubin"
     proc = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(opts), str(cubin)], capture_output=True,
                           text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -143,7 +143,7 @@ def _main_loop(code: list) -> list:
 
 @pytest.mark.parametrize("bn,bm,xs", [(64, 128, 4), (128, 256, 4), (64, 256, 4), (64, 16, 4)])
 def test_compiles_for_hopper_with_each_wgmma_overlapping_the_next_tile(tmp_path, bn, bm, xs):
-    got = _sass(tmp_path, kind="pipelined", BN=bn, BM=bm, XS=xs)
+    got = _sass(tmp_path, BN=bn, BM=bm, XS=xs)
     loop = _main_loop(got["code"])
     ops = [op for _, op, _ in loop]
     waits = [rest for _, op, rest in loop if op.startswith("WARPGROUP.DEPBAR")]
