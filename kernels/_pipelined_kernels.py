@@ -42,10 +42,14 @@ partial are never both in registers.
 Measured on an H100 (benchmarks/RESULTS.md, kernels runs 45-48, speed-up over cuBLAS bf16): at 256 rows 0.77-0.83x
 where the full-depth kernel ran 0.55-0.67x, at 128 rows 1.02-1.19x (0.80-0.97x). Below 128 rows it is slower than
 the full-depth kernel (16 rows: 0.6-1.6x against 1.9-2.1x): a 64-column tile carries too few weight bytes for its
-fixed cost (barriers, TMA issue, mbarrier waits). What is left at 256 rows: each program reads its whole block of
-``x`` from L2 once per 64 weight rows (32 KB a tile), so L2 bandwidth, not the tensor cores, bounds the 64-row
-tiles, and 128-row tiles leave SMs idle on the shapes with 8192 weight rows. TMA multicast across a cluster would
-share the ``x`` block between programs; Triton 3.6's Gluon does not expose it.
+fixed cost (barriers, TMA issue, mbarrier waits). What is left at 256 rows, from Nsight Compute on an H100
+(kernels run 61, 8192x28672, 256 x 128 tiles): the tensor pipe is busy 63 % of the cycles its SMs are active (50 %
+with 64-row tiles on 8192x8192), L2 serves 3.7 TB/s (37 % of its peak) and issue slots are 26 % busy. The warps
+mostly wait: on fixed-latency dependencies inside the dequantization (1.4 cycles per issued instruction), on the
+mbarriers and loads (1.3), on dispatch (0.7), shared memory (0.7) and the CTA barrier (0.6). With 218 registers a
+thread only 8 warps fit an SM, too few to hide that. More warps are the cure: warp specialization (warps that only
+dequantize feeding a warp group that only issues MMAs; ``gl.warp_specialize`` exists in Triton 3.6, not tried), or
+fewer registers so that two programs fit.
 """
 from __future__ import annotations
 
