@@ -117,10 +117,10 @@ def launch(name: str, fmt: int, x: torch.Tensor, w: torch.Tensor, s: torch.Tenso
         semi = fmt == FMT_S24 and semi_supported(x, w)
         words = view is not None and _word.words_fit_groups(fmt, group)
         pipelined = False
-        if fmt == FMT_W4 and x.shape[0] >= dict(kernel_policy().dense_min_m).get(name, 1024):  # where it matters
+        if fmt in (FMT_W4, FMT_W8) and x.shape[0] >= dict(kernel_policy().dense_min_m).get(name, 1024):  # matters
             from ._pipelined import pipelined_fits
 
-            pipelined = pipelined_fits(x, s, group=group, k=k)
+            pipelined = pipelined_fits(x, s, group=group, k=k, int8=fmt == FMT_W8)
         path = kernel_policy().path(name, x.shape[0], words=words, semi=semi, wdot=_word.wdot_fits(fmt, group),
                                     pipelined=pipelined)
     if path not in PATHS and path not in WORD_PATHS and path != "semi":

@@ -43,9 +43,12 @@ def pipelined_possible(device: torch.device, *, group: int, k: int) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0) and _gluon_ok()
 
 
-def pipelined_fits(x: torch.Tensor, s: torch.Tensor, *, group: int, k: int) -> bool:
-    """:func:`pipelined_possible`, with ``x`` and scales both bf16 or both fp16."""
-    return x.dtype in _GL and s.dtype == x.dtype and pipelined_possible(x.device, group=group, k=k)
+def pipelined_fits(x: torch.Tensor, s: torch.Tensor, *, group: int, k: int, int8: bool = False) -> bool:
+    """:func:`pipelined_possible`, with ``x`` bf16 or fp16 and, for INT4, scales in the same dtype (INT8's
+    per-channel scales are applied in fp32, whatever their dtype)."""
+    if x.dtype not in _GL or (not int8 and s.dtype != x.dtype):
+        return False
+    return pipelined_possible(x.device, group=TILE_K if int8 else group, k=k)
 
 
 def words_readable(words: torch.Tensor) -> bool:
@@ -55,12 +58,13 @@ def words_readable(words: torch.Tensor) -> bool:
 
 def run_pipelined(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, *, group: int,
                   n: int, k: int, block_m: int, block_n: int, stages: int, q_stages: int, split_k: int = 1,
-                  workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  workspace: tuple[torch.Tensor, torch.Tensor] | None = None, int8: bool = False) -> torch.Tensor:
     """``x @ dequant(W)^T`` in ``x``'s dtype: ``x`` (M, K) bf16 or fp16, ``words`` (N, K / 8) int32
     (:func:`words_readable`), ``s`` (N, groups) in ``x``'s dtype, ``z`` (N, groups) uint8 or ``None`` (symmetric).
     ``block_n`` 64 (4 warps), 128 (8) or 256 (16); ``block_m`` 16-256;
     ``stages`` buffers of ``x`` tiles and ``q_stages`` of word tiles; ``split_k`` slices of ``K``, their partials
-    summed in ``workspace`` ``(partials, counters)`` ([Note: split-K fix-up] in ``_word``)."""
+    summed in ``workspace`` ``(partials, counters)`` ([Note: split-K fix-up] in ``_word``). With ``int8``: INT8
+    words (N, K / 4), ``s`` the per-channel scales (N,) in any float dtype, ``group`` and ``z`` unused."""
     if split_k > 1 and workspace is None:
         raise ValueError("run_pipelined: split_k > 1 needs the fix-up workspace (partials, counters)")
     from triton.experimental.gluon import language as gl
@@ -73,13 +77,14 @@ def run_pipelined(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torc
     x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, TILE_K],
                               gl.NVMMASharedLayout.get_default_for([block_m, TILE_K], dt))
     kw = words.shape[1]
-    w_desc = TensorDescriptor(words, [n, kw], [words.stride(0), 1], [block_n, TILE_K // 8],
-                              gl.NVMMASharedLayout.get_default_for([block_n, TILE_K // 8], gl.int32))
+    wpt = TILE_K // (4 if int8 else 8)  # words per tile row
+    w_desc = TensorDescriptor(words, [n, kw], [words.stride(0), 1], [block_n, wpt],
+                              gl.NVMMASharedLayout.get_default_for([block_n, wpt], gl.int32))
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     parts, counters = workspace if split_k > 1 else (out, words)
     _kernels().w4_pipelined_kernel[(cdiv(n, block_n), cdiv(m, block_m), split_k)](
         x_desc, w_desc, s, z if z is not None else s, out, parts, counters, m, n, k, split_k, s.stride(0),
-        out.stride(0),
-        GROUP=group, HAS_ZEROS=z is not None, BLOCK_N=block_n, BLOCK_M=block_m, XSTAGES=stages, QSTAGES=q_stages,
+        out.stride(0), GROUP=TILE_K if int8 else group, HAS_ZEROS=z is not None, BLOCK_N=block_n, BLOCK_M=block_m,
+        XSTAGES=stages, QSTAGES=q_stages, INT8=int8,
         W_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_n, TILE_K], dt), num_warps=block_n // 16)
     return out

@@ -65,6 +65,34 @@ _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_glo
 
 _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # renamed in Triton 3.9
 
+
+def _int8_asm(half16: bool) -> str:
+    """[Note: INT8 in 16-bit pairs]: ``$0``-``$3`` are bytes 0-3 of words a (``$4``) and b (``$5``) as exact 16-bit
+    pairs of the signed codes, a's in the low half. fp16 holds ``1024 + u`` for a whole byte ``u = q + 128``. bf16
+    (8 significant bits) takes the byte's two nibbles apart, ``128 + h`` and ``128 + l``, and joins them as
+    ``(h - 8) * 16 + l`` in one FMA, exact because the result has at most 8 significant bits."""
+    lines = ["{", ".reg .b32 a, b, d, t, lo, hi, c0, c1, c2;", "xor.b32 a, $4, 0x80808080;",
+             "xor.b32 b, $5, 0x80808080;"]
+    if half16:
+        lines += ["mov.b32 c0, 0x64806480;"]  # 1152 = 1024 + 128 in fp16
+    else:
+        lines += ["mov.b32 c0, 0x43084308;", "mov.b32 c1, 0x43004300;", "mov.b32 c2, 0x41804180;"]  # 136, 128, 16
+    for j in range(4):
+        sel = j | (j << 4) | ((4 + j) << 8) | ((4 + j) << 12)  # byte j of a into byte 0, of b into byte 2
+        lines.append(f"prmt.b32 d, a, b, {sel:#06x};")
+        if half16:
+            lines += ["lop3.b32 t, d, 0x00ff00ff, 0x64006400, 0xea;", f"sub.rn.f16x2 ${j}, t, c0;"]
+        else:
+            lines += ["lop3.b32 lo, d, 0x000f000f, 0x43004300, 0xea;", "shr.u32 t, d, 4;",
+                      "lop3.b32 hi, t, 0x000f000f, 0x43004300, 0xea;", "sub.rn.bf16x2 hi, hi, c0;",
+                      "sub.rn.bf16x2 lo, lo, c1;", f"fma.rn.bf16x2 ${j}, hi, c2, lo;"]
+    return "\n".join(lines + ["}"])
+
+
+_ASM_W8_BF16 = gl.constexpr(_int8_asm(False))
+_ASM_W8_F16 = gl.constexpr(_int8_asm(True))
+_ASM_W8_IO = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 2))
+
 BK = gl.constexpr(64)  # columns per tile
 BW = gl.constexpr(8)  # INT4 words per tile row
 
@@ -116,10 +144,25 @@ def _dequant_to(buf, w, s, zz):
 
 
 @gluon.jit
+def _dequant8_to(buf, w, DTYPE: gl.constexpr):
+    """INT8 words ``(BN, BW)`` -> ``buf`` ``(BN, 4 * BW)``: the codes themselves, exact in ``DTYPE`` (bf16 or fp16),
+    natural column order; the per-channel scale goes on the accumulator, as in the full-depth kernel."""
+    if DTYPE == gl.float16:
+        f0, f1, f2, f3 = gl.inline_asm_elementwise(_ASM_W8_F16, _ASM_W8_IO, [w], dtype=(gl.float16, ) * 4,
+                                                   is_pure=True, pack=2)
+    else:
+        f0, f1, f2, f3 = gl.inline_asm_elementwise(_ASM_W8_BF16, _ASM_W8_IO, [w], dtype=(gl.bfloat16, ) * 4,
+                                                   is_pure=True, pack=2)
+    t = gl.join(gl.join(f0, f2), gl.join(f1, f3))
+    bn: gl.constexpr = w.shape[0]
+    buf.store(gl.reshape(t, [bn, 4 * w.shape[1]]))
+
+
+@gluon.jit
 def w4_pipelined_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M, N, K, SPLIT_K, stride_sn,
                         stride_om, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr,
                         BLOCK_M: gl.constexpr, XSTAGES: gl.constexpr, QSTAGES: gl.constexpr, W_LAYOUT: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        num_warps: gl.constexpr, INT8: gl.constexpr = False):
     """``out[M, N] = x @ dequant(W)^T`` for INT4 words, ``x`` and scales in bf16 or fp16 ([Note: pipelined wdot]). Grid
     ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M), SPLIT_K)``; ``K`` a multiple of 64, ``GROUP`` of 64. Where ``K`` is
     split, each split stores its fp32 partial in ``part_ptr`` and the tile's last split sums them in split order
@@ -134,8 +177,9 @@ def w4_pipelined_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_p
     TILES_PER_GROUP: gl.constexpr = GROUP // BK
     TILES_PER_CHUNK: gl.constexpr = 16 * TILES_PER_GROUP  # a chunk of scales: 16 groups
 
+    WPT: gl.constexpr = 2 * BW if INT8 else BW  # words per tile row: 64 columns, 4 (INT8) or 8 (INT4) a word
     RPW: gl.constexpr = BLOCK_N // num_warps  # warp w dequantizes rows 16w .. 16w + 15, its warp group's own
-    words_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, BW * RPW // 32], threads_per_warp=[RPW, 32 // RPW],
+    words_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, WPT * RPW // 32], threads_per_warp=[RPW, 32 // RPW],
                                              warps_per_cta=[num_warps, 1], order=[1, 0])
     chunk_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16 * RPW // 32],
                                              threads_per_warp=[RPW, 32 // RPW], warps_per_cta=[num_warps, 1],
@@ -143,7 +187,7 @@ def w4_pipelined_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_p
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                     instr_shape=[16, BLOCK_M, 16])
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [XSTAGES, BLOCK_M, BK], x_desc.layout)
-    q_smem = gl.allocate_shared_memory(gl.int32, [QSTAGES, BLOCK_N, BW], w_desc.layout)
+    q_smem = gl.allocate_shared_memory(gl.int32, [QSTAGES, BLOCK_N, WPT], w_desc.layout)
     w_smem = gl.allocate_shared_memory(x_desc.dtype, [2, BLOCK_N, BK], W_LAYOUT)
     x_ready = gl.allocate_shared_memory(gl.int64, [XSTAGES, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [QSTAGES, 1], mbarrier.MBarrierLayout())
@@ -155,37 +199,42 @@ def w4_pipelined_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_p
     for i in gl.static_range(QSTAGES):  # words of the first QSTAGES tiles in flight
         if i < n_tiles:
             mbarrier.expect(q_ready.index(i), w_desc.block_type.nbytes)
-            _tma_load(w_desc, [off_n, (t_lo + i) * BW], q_ready.index(i), q_smem.index(i))
+            _tma_load(w_desc, [off_n, (t_lo + i) * WPT], q_ready.index(i), q_smem.index(i))
     for i in gl.static_range(XSTAGES - 1):  # x of the first XSTAGES - 1
         if i < n_tiles:
             mbarrier.expect(x_ready.index(i), x_desc.block_type.nbytes)
             _tma_load(x_desc, [off_m, (t_lo + i) * BK], x_ready.index(i), x_smem.index(i))
 
-    rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, chunk_l))
-    rmask = rows < N
-    cols = gl.arange(0, 16, layout=gl.SliceLayout(0, chunk_l))
-    chunk = t_lo // TILES_PER_CHUNK
-    s_cur, z_cur = _scale_chunk(s_ptr, z_ptr, rows, rmask, cols, chunk, groups, stride_sn, HAS_ZEROS)
-    s_nxt, z_nxt = _scale_chunk(s_ptr, z_ptr, rows, rmask, cols, chunk + 1, groups, stride_sn, HAS_ZEROS)
-    s_t, z_t = _tile_scales(s_cur, z_cur, cols, (t_lo // TILES_PER_GROUP) % 16, words_l, BW)
+    if not INT8:  # INT4's group scales (INT8's per-channel scale goes on the accumulator)
+        rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, chunk_l))
+        rmask = rows < N
+        cols = gl.arange(0, 16, layout=gl.SliceLayout(0, chunk_l))
+        chunk = t_lo // TILES_PER_CHUNK
+        s_cur, z_cur = _scale_chunk(s_ptr, z_ptr, rows, rmask, cols, chunk, groups, stride_sn, HAS_ZEROS)
+        s_nxt, z_nxt = _scale_chunk(s_ptr, z_ptr, rows, rmask, cols, chunk + 1, groups, stride_sn, HAS_ZEROS)
+        s_t, z_t = _tile_scales(s_cur, z_cur, cols, (t_lo // TILES_PER_GROUP) % 16, words_l, BW)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
     for j in range(n_tiles):  # j counts this split's tiles (ring slots, phases); t is the tile of K
         t = t_lo + j
-        if (t % TILES_PER_CHUNK == 0) & (j > 0):  # the next chunk's scales: loaded a chunk ahead
-            s_cur, z_cur = s_nxt, z_nxt
-            s_nxt, z_nxt = _scale_chunk(s_ptr, z_ptr, rows, rmask, cols, t // TILES_PER_CHUNK + 1, groups,
-                                        stride_sn, HAS_ZEROS)
-        if (t % TILES_PER_GROUP == 0) & (j > 0):
-            s_t, z_t = _tile_scales(s_cur, z_cur, cols, (t // TILES_PER_GROUP) % 16, words_l, BW)
+        if not INT8:
+            if (t % TILES_PER_CHUNK == 0) & (j > 0):  # the next chunk's scales: loaded a chunk ahead
+                s_cur, z_cur = s_nxt, z_nxt
+                s_nxt, z_nxt = _scale_chunk(s_ptr, z_ptr, rows, rmask, cols, t // TILES_PER_CHUNK + 1, groups,
+                                            stride_sn, HAS_ZEROS)
+            if (t % TILES_PER_GROUP == 0) & (j > 0):
+                s_t, z_t = _tile_scales(s_cur, z_cur, cols, (t // TILES_PER_GROUP) % 16, words_l, BW)
         qs = j % QSTAGES
         mbarrier.wait(q_ready.index(qs), (j // QSTAGES) & 1)
         buf = w_smem.index(j % 2)
-        _dequant_to(buf, q_smem.index(qs).load(words_l), s_t, z_t)
+        if INT8:
+            _dequant8_to(buf, q_smem.index(qs).load(words_l), x_desc.dtype)
+        else:
+            _dequant_to(buf, q_smem.index(qs).load(words_l), s_t, z_t)
         fence_async_shared()
         _cta_barrier()  # every warp: this tile's stores visible, its words read, wgmma of tile j - 2 retired
         if j + QSTAGES < n_tiles:  # into the words buffer this tile used
             mbarrier.expect(q_ready.index(qs), w_desc.block_type.nbytes)
-            _tma_load(w_desc, [off_n, (t + QSTAGES) * BW], q_ready.index(qs), q_smem.index(qs))
+            _tma_load(w_desc, [off_n, (t + QSTAGES) * WPT], q_ready.index(qs), q_smem.index(qs))
         if num_warps > 4:
             nxt = j + XSTAGES - 2
             if (j > 0) & (nxt < n_tiles):  # into the x buffer that tile j - 2 used
@@ -211,6 +260,8 @@ def w4_pipelined_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_p
     offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
     offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_l))
     mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    if INT8:  # the per-channel scale, in fp32 on the accumulator
+        acc = acc * gl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[:, None]
     if SPLIT_K == 1:
         gl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:  # [Note: split-K fix-up] in _word: partials in split order, summed by the tile's last split

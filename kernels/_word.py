@@ -99,7 +99,7 @@ class WordConfig:
     # ([Note: packed INT4 dequantization] in _wmma_kernels)
     fixup: bool = False  # full_depth with split_k > 1: partials summed by each tile's last program, not fp32
     # atomics into a zeroed buffer ([Note: split-K fix-up])
-    pipelined: bool = False  # wdot, INT4 in bf16 / fp16 on sm_90: the Gluon kernel that overlaps dequantization and MMA
+    pipelined: bool = False  # wdot, INT4 / INT8 in bf16 / fp16 on sm_90: the Gluon kernel that overlaps dequantization and MMA
     # ([Note: pipelined wdot] in _pipelined_kernels); block_m x rows, block_n weight rows, stages buffers of x
     # tiles, prefetch buffers of word tiles
 
@@ -338,7 +338,7 @@ def _splits(progs: int, tiles: int, sms: int, waves: tuple[int, ...] = (1,)) -> 
 
 
 def full_depth_candidates(fmt: int, m: int, n: int, kw: int, group: int, device: torch.device,
-                          packed: int = 0) -> list[WordConfig]:
+                          packed: int = 0, half_x: bool = False) -> list[WordConfig]:
     """Full-depth wdot configs ([Note: full-depth wdot]): one row block for up to 64 rows, else blocks of 128 or
     256 rows; split-K to fill the GPU once or four times over. With ``packed`` (``packed_dequant``), from 64 rows
     each config also with its scales loaded a tile ahead (``scales_ahead``)."""
@@ -359,10 +359,12 @@ def full_depth_candidates(fmt: int, m: int, n: int, kw: int, group: int, device:
             out.append(WordConfig(bm, bn, bw, sp, warps, stages, full_depth=True, order=3, swap=swap, fixup=fixup))
     if packed and mb >= 64:
         out += [replace(c, scales_ahead=True) for c in out]
-    if packed in (1, 2) and fmt == FMT_W4 and mb >= PIPELINED_MIN_M:  # INT4, scales in x's bf16 or fp16
-        from ._pipelined import pipelined_possible
+    # the pipelined kernel: INT4 with scales in x's bf16 or fp16, INT8 with bf16 or fp16 x
+    if ((packed in (1, 2) and fmt == FMT_W4) or (half_x and fmt == FMT_W8)) and mb >= PIPELINED_MIN_M:
+        from ._pipelined import TILE_K, pipelined_possible
 
-        if pipelined_possible(device, group=group, k=kw * CPW[fmt]):
+        if pipelined_possible(device, group=group if fmt == FMT_W4 else TILE_K, k=kw * CPW[fmt]):
+            qs = 8 if fmt == FMT_W4 else 4  # word buffers (INT8 words take twice the shared memory)
             for bm, bn, xs in PIPELINED_TILES:
                 if bm > mb:
                     continue
@@ -370,7 +372,7 @@ def full_depth_candidates(fmt: int, m: int, n: int, kw: int, group: int, device:
                 under = 1 << max(0, (sms // progs).bit_length() - 1) if progs < sms else 1  # just under a wave
                 for sp in sorted(set(_splits(progs, kw // 8, sms)) | {under}):
                     if sp == 1 or _fixup_fits(m, n, sp, bm, bn):
-                        out.append(WordConfig(bm, bn, 8, sp, bn // 16, xs, 8, full_depth=True, order=3,
+                        out.append(WordConfig(bm, bn, 64 // CPW[fmt], sp, bn // 16, xs, qs, full_depth=True, order=3,
                                               pipelined=True, fixup=sp > 1))
     return out
 
@@ -388,9 +390,10 @@ def _workspace_fits(partials: int, counters: int) -> bool:
 
 
 def wdot_candidates(fmt: int, m: int, n: int, kw: int, group: int, device: torch.device,
-                    packed: int = 0) -> list[WordConfig]:
-    """The full-depth kernel's configs first (the interpreter runs the first), then the per-plane kernel's."""
-    full = full_depth_candidates(fmt, m, n, kw, group, device, packed)
+                    packed: int = 0, half_x: bool = False) -> list[WordConfig]:
+    """The full-depth kernel's configs first (the interpreter runs the first), then the per-plane kernel's;
+    ``half_x``: ``x`` is bf16 or fp16 (INT8 can then take the pipelined kernel)."""
+    full = full_depth_candidates(fmt, m, n, kw, group, device, packed, half_x)
     bw = 16 if fmt == FMT_W4 else 32  # INT4: 16 words = 128 columns (one g128 group); INT8: 32 words = 128 columns
     if not _group_ok(fmt, bw, group, kw):
         return full  # the per-plane kernel's 128-column tiles would straddle groups (e.g. g192)
@@ -597,7 +600,8 @@ def wdot_launcher(x, words, s, z, *, fmt: int, group: int, n: int, k: int):
     m, kw = x.shape[0], words.shape[1]
     zz = z if z is not None else s
     packed = packed_dequant(fmt, x.dtype, s.dtype, x.device.type, group)  # tuned apart: its best tiles differ
-    candidates = wdot_candidates(fmt, m, n, kw, group, x.device, packed)
+    candidates = wdot_candidates(fmt, m, n, kw, group, x.device, packed,
+                                 x.dtype in (torch.bfloat16, torch.float16))
     if any(c.pipelined for c in candidates):
         from ._pipelined import words_readable
 
@@ -615,7 +619,8 @@ def wdot_launcher(x, words, s, z, *, fmt: int, group: int, n: int, k: int):
             fits = ws is not None and _fixup_fits(m, n, c.split_k, c.block_m, c.block_n)
             return run_pipelined(x, words, s, z, group=group, n=n, k=k, block_m=c.block_m, block_n=c.block_n,
                                  stages=c.stages, q_stages=c.prefetch, split_k=c.split_k if fits else 1,
-                                 workspace=ws if fits else None)  # no workspace yet (a capture): one slice
+                                 workspace=ws if fits else None,  # no workspace yet (a capture): one slice
+                                 int8=fmt == FMT_W8)
         xs = x if c.full_depth and c.order != 2 else plane_major(x, CPW[fmt])
         ws = _stationary_workspace(x.device) if c.fixup and _fixup_fits(m, n, c.split_k, c.block_m, c.block_n) else None
         fixup = ws is not None  # else atomics: in a capture before the first eager call, or past the workspace

@@ -12,7 +12,9 @@ INT8 and INT4, so those go dense only from 512 rows (257-511 rows not measured).
 INT4 can take the pipelined Gluon kernel (Hopper, scales in ``x``'s bf16 / fp16; [Note:
 pipelined wdot] in ``_pipelined_kernels``) it beats dequantize + cuBLAS up to 1023 rows (H100,
 8192x8192: 0.77x against 0.58x at 512 rows, 0.75x against 0.73x at 1024, 0.69x against 0.82x
-at 2048; kernels runs 50-51), so INT4 goes dense from ``pipelined_dense_min_m`` rows there.
+at 2048; kernels runs 50-51), so INT4 goes dense from ``pipelined_dense_min_m`` rows there;
+INT8 too, on the same kernel (bf16 / fp16 activations; 0.64-0.80x at 512 rows against dense
+0.55x, kernels runs 51 and 64).
 Shapes the word kernels cannot read, and the 2:4 formats above ``gemv_max_m``, use
 the generic skeleton: split-K keeps the GPU full when the output has few tiles. At
 medium ``M`` a tiled GEMM still saves bytes. At large ``M`` the matmul is compute-bound
@@ -42,7 +44,7 @@ class KernelPolicy:
     dense_min_m: tuple[tuple[str, int], ...] = (("w8a16", 512), ("w4a16", 512), ("sparse24", 512),
                                                  ("sparse24_w4a16", 128))
     semi_min_m: int = 128
-    pipelined_dense_min_m: int = 1024  # INT4 where the pipelined kernel runs ([Note: crossover])
+    pipelined_dense_min_m: int = 1024  # INT4 / INT8 where the pipelined kernel runs ([Note: crossover])
     force: str | None = None
 
     def __post_init__(self) -> None:
@@ -57,7 +59,7 @@ class KernelPolicy:
         """The path for ``m`` rows; ``words``: whether the weight can be read word-wise (``_word.word_view``,
         ``_word.words_fit_groups``); ``semi``: whether plain 2:4 can run on sparse tensor cores
         (``semi.semi_supported``); ``wdot``: whether the tensor-core word kernel has a tile for the groups;
-        ``pipelined``: whether INT4 can take the pipelined kernel (``_pipelined.pipelined_fits``)."""
+        ``pipelined``: whether INT4 / INT8 can take the pipelined kernel (``_pipelined.pipelined_fits``)."""
         forced = self.force or os.environ.get("ZSPEED_KERNEL_PATH") or None
         if forced:
             if forced not in PATH_NAMES:
@@ -68,7 +70,7 @@ class KernelPolicy:
         if semi and fmt == "sparse24" and m >= self.semi_min_m:
             return "semi"
         dense_min = dict(self.dense_min_m).get(fmt, 1024)
-        if pipelined and fmt == "w4a16" and words and wdot:
+        if pipelined and fmt in WDOT_FORMATS and words and wdot:
             dense_min = max(dense_min, self.pipelined_dense_min_m)
         if m >= dense_min:
             return "dense"

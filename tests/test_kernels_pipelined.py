@@ -38,7 +38,9 @@ def test_offered_for_packed_int4_from_128_rows_on_hopper_only(monkeypatch):
         assert {c.block_m for c in got} == ({128} if m <= 128 else {128, 256})
     assert seen and all(s == (128, 8192) for s in seen)
     assert any(c.pipelined for c in _word.full_depth_candidates(FMT_W4, 256, 8192, 1024, 128, gpu, 2))  # fp16
-    for packed, fmt in ((0, FMT_W4), (0, FMT_W8)):  # the fp32 path (scales not in x's dtype), INT8: not offered
+    int8 = [c for c in _word.full_depth_candidates(FMT_W8, 256, 8192, 2048, 0, gpu, half_x=True) if c.pipelined]
+    assert int8 and all(c.block_w == 16 and c.prefetch == 4 for c in int8)  # 64 columns of INT8, 4 word buffers
+    for packed, fmt in ((0, FMT_W4), (0, FMT_W8)):  # the fp32 path (scales not in x's dtype), fp32 x: not offered
         assert not any(c.pipelined for c in _word.full_depth_candidates(fmt, 256, 8192, 1024, 128, gpu, packed))
     monkeypatch.setattr(_pipelined, "pipelined_possible", lambda device, *, group, k: False)
     assert not any(c.pipelined for c in _word.full_depth_candidates(FMT_W4, 256, 8192, 1024, 128, gpu, packed=1))
@@ -68,6 +70,8 @@ def test_possible_only_compiled_on_an_sm90_gpu_with_whole_tiles_per_group(monkey
     assert _pipelined.pipelined_fits(x.half(), x.half(), group=128, k=8192)
     assert not _pipelined.pipelined_fits(x, x.half(), group=128, k=8192)  # scales in x's dtype, or rounded twice
     assert not _pipelined.pipelined_fits(x.float(), x.float(), group=128, k=8192)
+    assert _pipelined.pipelined_fits(x, x.half(), group=0, k=8192, int8=True)  # INT8: the scale's dtype is free
+    assert not _pipelined.pipelined_fits(x.float(), x, group=0, k=8192, int8=True)
     words = torch.zeros(64, 1024 + 4, dtype=torch.int32)
     assert _pipelined.words_readable(words[:, :1024]) and not _pipelined.words_readable(words[:, 1:1025])  # 4 bytes in
     assert not _pipelined.words_readable(torch.zeros(64, 1026, dtype=torch.int32)[:, :1024])  # rows of 4104 bytes
@@ -84,20 +88,21 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 opts = json.loads(sys.argv[1])
 from zspeed.kernels import _pipelined_kernels as P
-bn, bm, xs = opts["BN"], opts["BM"], opts["XS"]
-m, n, k = 256, 8192, 8192
+bn, bm, xs, int8 = opts["BN"], opts["BM"], opts["XS"], opts.get("INT8", False)
+m, n, k, wpt = 256, 8192, 8192, 16 if int8 else 8  # words per 64-column tile row
 x = torch.empty(m, k, dtype=torch.bfloat16)
-w = torch.empty(n, k // 8, dtype=torch.int32)
+w = torch.empty(n, k * wpt // 64, dtype=torch.int32)
 args = dict(x_desc=TensorDescriptor(x, [m, k], [k, 1], [bm, 64],
                                     gl.NVMMASharedLayout.get_default_for([bm, 64], gl.bfloat16)),
-            w_desc=TensorDescriptor(w, [n, k // 8], [k // 8, 1], [bn, 8],
-                                    gl.NVMMASharedLayout.get_default_for([bn, 8], gl.int32)),
+            w_desc=TensorDescriptor(w, list(w.shape), [w.shape[1], 1], [bn, wpt],
+                                    gl.NVMMASharedLayout.get_default_for([bn, wpt], gl.int32)),
             s_ptr=torch.empty(1, dtype=torch.bfloat16), z_ptr=torch.empty(1, dtype=torch.uint8),
             out_ptr=torch.empty(1, dtype=torch.bfloat16), part_ptr=torch.empty(1, dtype=torch.float32),
             count_ptr=torch.empty(1, dtype=torch.int32), M=m, N=n, K=k, SPLIT_K=2, stride_sn=64, stride_om=n)
 sig = {name: mangle_type(v) for name, v in args.items()}
-const = dict(GROUP=128, HAS_ZEROS=True, BLOCK_N=bn, BLOCK_M=bm, XSTAGES=xs, QSTAGES=8,
-             W_LAYOUT=gl.NVMMASharedLayout.get_default_for([bn, 64], gl.bfloat16), num_warps=bn // 16)
+const = dict(GROUP=64 if int8 else 128, HAS_ZEROS=not int8, BLOCK_N=bn, BLOCK_M=bm, XSTAGES=xs,
+             QSTAGES=4 if int8 else 8, W_LAYOUT=gl.NVMMASharedLayout.get_default_for([bn, 64], gl.bfloat16),
+             num_warps=bn // 16, INT8=int8)
 sig.update({name: "constexpr" for name in const})
 kernel = triton.compile(GluonASTSource(P.w4_pipelined_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": bn // 16})
@@ -141,9 +146,10 @@ def _main_loop(code: list) -> list:
     raise AssertionError("no loop around the HGMMAs")
 
 
-@pytest.mark.parametrize("bn,bm,xs", [(64, 128, 4), (128, 256, 4), (64, 256, 4), (64, 16, 4)])
-def test_compiles_for_hopper_with_each_wgmma_overlapping_the_next_tile(tmp_path, bn, bm, xs):
-    got = _sass(tmp_path, BN=bn, BM=bm, XS=xs)
+@pytest.mark.parametrize("bn,bm,xs,int8", [(64, 128, 4, False), (128, 256, 4, False), (64, 256, 4, False),
+                                          (64, 16, 4, False), (64, 256, 4, True), (128, 128, 4, True)])
+def test_compiles_for_hopper_with_each_wgmma_overlapping_the_next_tile(tmp_path, bn, bm, xs, int8):
+    got = _sass(tmp_path, BN=bn, BM=bm, XS=xs, INT8=int8)
     loop = _main_loop(got["code"])
     ops = [op for _, op, _ in loop]
     waits = [rest for _, op, rest in loop if op.startswith("WARPGROUP.DEPBAR")]
@@ -159,20 +165,22 @@ def test_compiles_for_hopper_with_each_wgmma_overlapping_the_next_tile(tmp_path,
 
 
 def test_int4_goes_dense_later_where_the_pipelined_kernel_runs(monkeypatch):
-    """[Note: crossover] in kernels/dispatch.py: with the pipelined kernel INT4 keeps the wdot path up to 1023 rows
-    (it beat dequantize + cuBLAS at 512 rows and tied at 1024, kernels runs 50-51); other formats, and INT4 that
-    cannot take it, go dense from 512 rows as before. The launcher asks only where the answer can change."""
+    """[Note: crossover] in kernels/dispatch.py: with the pipelined kernel INT4 and INT8 keep the wdot path up to 1023
+    rows (INT4 beat dequantize + cuBLAS at 512 rows and tied at 1024, kernels runs 50-51; INT8 beat it at 512, run
+    64); other formats, and layers that cannot take it, go dense from 512 rows as before. The launcher asks only
+    where the answer can change."""
     from zspeed.kernels import kernel_policy
     from zspeed.kernels.dispatch import KernelPolicy
 
     policy = kernel_policy()
     assert policy.path("w4a16", 512) == "dense" and policy.path("w4a16", 512, pipelined=True) == "wdot"
     assert policy.path("w4a16", 1023, pipelined=True) == "wdot" and policy.path("w4a16", 1024, pipelined=True) == "dense"
-    assert policy.path("w8a16", 512, pipelined=True) == "dense"
+    assert policy.path("w8a16", 512, pipelined=True) == "wdot" and policy.path("w8a16", 512) == "dense"
+    assert policy.path("sparse24", 512, pipelined=True) == "dense"
     assert policy.path("w4a16", 512, pipelined=True, wdot=False) == "dense"  # no tile for these groups
     assert KernelPolicy(pipelined_dense_min_m=256).path("w4a16", 300, pipelined=True) == "wdot"  # never earlier
     asked = []
-    monkeypatch.setattr(_pipelined, "pipelined_fits", lambda x, s, *, group, k: asked.append(x.shape[0]) or False)
+    monkeypatch.setattr(_pipelined, "pipelined_fits", lambda x, s, *, group, k, int8: asked.append(x.shape[0]) or False)
     from zspeed.compress import quantize_int4
     from zspeed.kernels import w4a16_matmul
 
