@@ -1,5 +1,5 @@
-"""The pipelined INT4 GEMM for Hopper, written in Gluon: dequantization of one tile overlapped with the MMA of the
-one before.
+"""The pipelined INT4 / INT8 GEMM for Hopper, written in Gluon: dequantization of one tile overlapped with the MMA of
+the one before.
 
 Imported lazily, like ``_word_kernels`` (see [Note: lazy triton] in ``_runtime``); only on an sm_90 GPU with a
 Triton that has Gluon (``_pipelined.pipelined_possible``).
@@ -33,6 +33,9 @@ the rows of ``x`` on its N side, [Note: swap-AB]) with both operands in shared m
   words' layout puts warp ``w`` on rows ``16w .. 16w + 15``);
 - scales and zero points are loaded 16 groups at a time, one such chunk ahead, in registers, and spread to the
   words' layout once per group.
+
+INT8 (``INT8``) runs the same schedule on tiles of 16 words, its codes made exact 16-bit values by
+[Note: INT8 in 16-bit pairs] (``_int8_asm``) and its per-channel scale applied to the fp32 accumulator.
 
 Tiles are 64 columns deep (a 128-byte row of bf16, the TMA's swizzle width), so a group of 128 columns spans two.
 Where the output has too few tiles to fill the GPU, ``K`` is split and each tile's last split sums the partials
