@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.sm90_compile import run_compile_script
 from zspeed.kernels import _word
 from zspeed.kernels._gemm import FMT_W4, FMT_W8
 
@@ -122,18 +120,8 @@ print(json.dumps({"ptx_packed": "mul.rn.bf16x2" in kernel.asm["ptx"] or "mul.rn.
 
 
 def _sass_ops(packed: int, tmp_path: Path, ahead: bool = False, **opts) -> dict:
-    import triton
-
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    if not (bin_dir / "ptxas").exists() or not (bin_dir / "cuobjdump").exists():
-        pytest.skip(f"this triton wheel has no CUDA toolchain in {bin_dir}")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, do not interpret
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     cubin = tmp_path / f"k{packed}_{abs(hash(json.dumps(opts, sort_keys=True)))}.cubin"
-    proc = subprocess.run([sys.executable, "-c", _COMPILE, str(packed), str(cubin), str(int(ahead)), json.dumps(opts)],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_compile_script(_COMPILE, [str(packed), str(cubin), str(int(ahead)), json.dumps(opts)], tmp_path)
 
 
 @pytest.mark.parametrize("packed, ahead", [(1, False), (2, False), (1, True)])

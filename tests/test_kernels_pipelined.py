@@ -9,15 +9,13 @@ with the reference, ``benchmarks/packed_check.py`` one-hot rows bit for bit (ben
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.sm90_compile import run_compile_script
 from zspeed.kernels import _pipelined, _word
 from zspeed.kernels._gemm import FMT_W4, FMT_W8
 
@@ -119,20 +117,10 @@ print(json.dumps({"code": [[int(a, 16), op, rest.strip()] for a, op, rest in cod
 
 
 def _sass(tmp_path: Path, **opts) -> dict:
-    import triton
-
-    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    if not (bin_dir / "ptxas").exists() or not (bin_dir / "cuobjdump").exists():
-        pytest.skip(f"this triton wheel has no CUDA toolchain in {bin_dir}")
     if not _pipelined._gluon_ok():
         pytest.skip("this triton has no Gluon for Hopper")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, do not interpret
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     cubin = tmp_path / f"pipelined_{abs(hash(json.dumps(opts, sort_keys=True)))}.cubin"
-    proc = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(opts), str(cubin)], capture_output=True,
-                          text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_compile_script(_COMPILE, [json.dumps(opts), str(cubin)], tmp_path)
 
 
 def _main_loop(code: list) -> list:
