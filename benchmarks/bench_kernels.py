@@ -190,6 +190,7 @@ def timed(name: str, fn, ref, x, rep: int) -> dict:
 
 def run_shape(k: int, n: int, args) -> list[dict]:
     from zspeed.kernels import kernel_policy
+    from zspeed.kernels._sparse_mma import sparse_mma_possible
 
     wt = make_weights(k, n)
     ours, peers = zspeed_cases(wt), peer_cases(wt)
@@ -199,7 +200,8 @@ def run_shape(k: int, n: int, args) -> list[dict]:
         base_ms = bench(lambda: F.linear(x, wt["dense"]), args.rep)
         row = {"K": k, "N": n, "M": m, "cublas_bf16_ms": base_ms, "results": {}}
         for name, (fn, ref) in ours.items():
-            chosen = kernel_policy().path(name, m, semi=name == "sparse24")  # bf16 kept values on a GPU
+            s24 = name == "sparse24"  # bf16 kept values on a GPU: sparse tensor cores where they run
+            chosen = kernel_policy().path(name, m, semi=s24, sparse_mma=s24 and sparse_mma_possible(x.device))
             row["results"][name] = {**timed(name, lambda x_: fn(x_, None), ref, x, args.rep), "path": chosen}
             if not args.no_paths:
                 for path, (lo, hi) in PATH_RANGE[name].items():

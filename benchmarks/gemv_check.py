@@ -1,12 +1,14 @@
-"""The GEMV kernels of the ``gemv`` path side by side at a few rows: tile, x-stationary, x-stationary + TMA.
+"""The GEMV kernels of the ``gemv`` path side by side at a few rows: tile, x-stationary, x-stationary + TMA, and for
+plain 2:4 the kernel on sparse tensor cores (mma).
 
     python benchmarks/gemv_check.py [--ms 1 4] [--shapes 8192x8192 8192x28672 28672x8192] [--formats w4 w8 s24]
-                                    [--kinds tile stationary tma] [--json F]
+                                    [--kinds tile stationary tma mma] [--json F]
 
 For each shape (K x N), format (INT4 g128 with zero points, INT8, plain 2:4 by magnitude) and row count:
 checks each kernel against the reference, tunes each over its own candidates ([Note: kernel tuning] in
 kernels/_word.py), and prints the best time of each beside cuBLAS bf16 in the same process, as speed-ups over
-bf16 (CUDA graphs, L2 flushed before each call: kernels/_runtime.py graph_time_ms).
+bf16 (CUDA graphs, L2 flushed before each call: kernels/_runtime.py graph_time_ms). The mma kind checks every
+config, each output on memory that was just filled with NaN, so an element left unwritten fails the check.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 
 from zspeed.compress import quantize_int4, quantize_int8
 from zspeed.compress.nm import compress_nm, prune_nm
-from zspeed.kernels import _word, sparse24_ref, w4a16_ref, w8a16_ref
+from zspeed.kernels import _sparse_mma, _word, sparse24_ref, w4a16_ref, w8a16_ref
 from zspeed.kernels._runtime import graph_time_ms, m_bucket
 
 
@@ -33,7 +35,7 @@ def main() -> None:
     p.add_argument("--ms", type=int, nargs="*", default=[1, 4])
     p.add_argument("--shapes", type=_shape, nargs="*", default=[(8192, 8192), (8192, 28672), (28672, 8192)])
     p.add_argument("--formats", nargs="*", default=["w4", "w8"], choices=["w4", "w8", "s24"])
-    p.add_argument("--kinds", nargs="*", default=["tile", "stationary", "tma"], choices=["tile", "stationary", "tma"])
+    p.add_argument("--kinds", nargs="*", default=["tile", "stationary", "tma"], choices=["tile", "stationary", "tma", "mma"])
     p.add_argument("--json")
     args = p.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
@@ -62,20 +64,28 @@ def main() -> None:
                 ref = ref_fn(x).float()
                 row = {"k": k, "n": n, "format": fmt, "m": m, "bf16_us": base * 1e3}
                 stationary = _word.stationary_candidates(f, m, n, words.shape[1], group, x.device)
+                mma = f == _word.FMT_S24 and _sparse_mma.sparse_mma_fits(x, words, sp.meta)
                 kinds = {"tile": _word.gemv_candidates(f, m, n, words.shape[1], group, x.device),
                          "stationary": [c for c in stationary if not c.tma],
-                         "tma": [c for c in stationary if c.tma]}  # [Note: TMA weight stream]
+                         "tma": [c for c in stationary if c.tma],  # [Note: TMA weight stream]
+                         "mma": _word.sparse_mma_candidates(m, n, k, x.device) if mma else []}
                 for kind, cands in kinds.items():
                     if not cands or kind not in args.kinds:
                         continue
                     def launch(c):
+                        if c.sparse_mma:
+                            return _word.run_sparse_mma(x, words, sp.meta, c, n=n)
                         if c.row_blocks:
                             return _word.run_stationary(x, words, s, z, c, fmt=f, group=group, n=n, meta=meta)
                         _word._BEST.clear()
                         key = ("gemv", f, group, z is not None, m_bucket(m), n, k, x.dtype)
                         _word._BEST[key] = c
                         return _word.run_gemv(x, words, s, z, meta, fmt=f, group=group, n=n, k=k)
-                    err = max(((launch(c).float() - ref).abs().max() / ref.abs().max()).item() for c in cands[:2])
+                    def checked(c):
+                        if kind == "mma":  # the output lands on NaN: unwritten elements fail
+                            torch.full((m, n), float("nan"), device="cuda", dtype=x.dtype)
+                        return ((launch(c).float() - ref).abs().max() / ref.abs().max()).item()
+                    err = max(checked(c) for c in (cands if kind == "mma" else cands[:2]))
                     start = time.perf_counter()
                     timed = _word.time_candidates(cands, launch)
                     best = cands[timed[0][1]]

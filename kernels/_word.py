@@ -102,6 +102,9 @@ class WordConfig:
     pipelined: bool = False  # wdot, INT4 / INT8 in bf16 / fp16 on sm_90: the Gluon kernel that overlaps dequantization and MMA
     # ([Note: pipelined wdot] in _pipelined_kernels); block_m x rows, block_n weight rows, stages buffers of x
     # tiles, prefetch buffers of word tiles
+    sparse_mma: bool = False  # gemv, plain 2:4 in bf16 on sm_80+: the Gluon kernel on sparse tensor cores ([Note: 2:4
+    # GEMV on sparse tensor cores] in _sparse_mma_kernels); block_w value words per slice of K (8 per 32-column
+    # tile), split_k slices, row_blocks blocks of 16 x warps weight rows per program, prefetch blocks loaded ahead
 
 
 @functools.cache
@@ -484,6 +487,47 @@ def _stationary_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Ten
     return ws
 
 
+SPARSE_MMA_TILES = ((8, 4, 1), (4, 4, 1), (8, 8, 1), (8, 4, 2))  # (32-column tiles per slice, warps, blocks loaded
+# ahead) of the 2:4 mma.sp GEMV: on an H100 (kernels runs 66-68) 8 tiles and 4 warps won at every shape and 1-8 rows
+# but one, 4 tiles at 8192x28672 with one row; 8 warps and two blocks ahead came within 2-3 %
+SPARSE_MMA_RUNS = (1, 2, 4, 8, 16)  # row blocks per program
+
+
+def sparse_mma_candidates(m: int, n: int, k: int, device: torch.device) -> list[WordConfig]:
+    """Configs of the 2:4 GEMV on sparse tensor cores (the caller checks ``_sparse_mma.sparse_mma_fits``): each
+    slice depth, warp count and prefetch depth with every run of row blocks that still gives a wave of programs;
+    slices whose partials do not fit the workspace are left out."""
+    tiles = k // 32
+    sms = _sm_count(device.index or 0)
+    out = []
+    for kt, warps, depth in SPARSE_MMA_TILES:
+        if kt > 2 * tiles and kt > 2:
+            continue
+        split = cdiv(tiles, kt)
+        if split > 1 and m * split * n > STATIONARY_WORKSPACE:
+            continue
+        runs = [rb for rb in SPARSE_MMA_RUNS if split * cdiv(n, 16 * warps * rb) >= sms
+                and cdiv(n, 16 * warps * rb) <= WORKSPACE_COUNTERS] or [1]
+        out += [WordConfig(1, 16 * warps, 8 * kt, split, warps, prefetch=depth, row_blocks=rb, sparse_mma=True)
+                for rb in runs]
+    return out
+
+
+def run_sparse_mma(x, words, meta, c: WordConfig, *, n: int) -> torch.Tensor | None:
+    """The 2:4 GEMV on sparse tensor cores with config ``c``; ``None`` where its workspace cannot be made now or is
+    too small for these rows (as :func:`run_stationary`)."""
+    from ._sparse_mma import run_sparse_mma as run
+
+    m = x.shape[0]
+    ws = None
+    if c.split_k > 1:
+        ws = _stationary_workspace(x.device)
+        if ws is None or not _workspace_fits(m * c.split_k * n, cdiv(n, c.block_n * c.row_blocks)):
+            return None
+    return run(x, words, meta, n=n, tiles_per_slice=c.block_w // 8, row_blocks=c.row_blocks, warps=c.warps,
+               depth=c.prefetch, workspace=ws)
+
+
 def run_stationary(x, words, s, z, c: WordConfig, *, fmt: int, group: int, n: int,
                    meta: torch.Tensor | None = None) -> torch.Tensor | None:
     """The x-stationary kernel with config ``c``; ``None`` where its workspace cannot be made now (see above) or
@@ -543,7 +587,12 @@ def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
     mm = meta if meta is not None else words
 
     def launch(c: WordConfig) -> torch.Tensor:
-        if c.row_blocks:
+        if c.sparse_mma:
+            out = run_sparse_mma(x, words, meta, c, n=n)
+            if out is not None:
+                return out
+            c = tiles[0]  # no workspace now or too small: the tile kernel
+        elif c.row_blocks:
             out = run_stationary(x, words, s, z, c, fmt=fmt, group=group, n=n, meta=meta)
             if out is not None:
                 return out
@@ -565,6 +614,11 @@ def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
     stationary = stationary_candidates(fmt, m, n, kw, group, x.device)
     if fmt == FMT_S24 and meta_words(meta) is None:
         stationary = []  # metadata the x-stationary kernel cannot read as int32 words
+    if fmt == FMT_S24:
+        from ._sparse_mma import sparse_mma_fits
+
+        if sparse_mma_fits(x, words, meta):
+            stationary = stationary + sparse_mma_candidates(m, n, k, x.device)
     return launch(_pick(key, tiles + stationary, launch))
 
 

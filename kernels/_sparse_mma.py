@@ -1,0 +1,78 @@
+"""Launcher of the 2:4 GEMV on sparse tensor cores ([Note: 2:4 GEMV on sparse tensor cores] in
+``_sparse_mma_kernels``).
+
+The ``gemv`` path tunes it beside the x-stationary and tile kernels for plain 2:4 where :func:`sparse_mma_fits`. It
+runs only compiled on an sm_80+ GPU (the interpreter cannot run Gluon or ``mma.sp``), so CPU tests compile it for
+sm_90 and check the instructions, and GPU runs check its outputs against the reference
+(``benchmarks/gemv_check.py``, ``benchmarks/bench_kernels.py``).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ._runtime import cdiv, interpreting
+
+TILE_K = 32  # columns per mma.sp.m16n8k32
+MAX_M = 8  # rows of x: the MMA's N side
+
+
+@functools.cache
+def _kernels():
+    """The kernel module, or ``None`` where this Triton has no Gluon to build it with."""
+    try:
+        from . import _sparse_mma_kernels
+    except ImportError:
+        return None
+    return _sparse_mma_kernels
+
+
+def sparse_mma_possible(device: torch.device) -> bool:
+    """Compiled (not interpreted) on an sm_80+ GPU, with a Triton that has Gluon."""
+    if interpreting() or device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0) and _kernels() is not None
+
+
+def sparse_mma_fits(x: torch.Tensor, words: torch.Tensor, meta: torch.Tensor | None) -> bool:
+    """:func:`sparse_mma_possible`, with 1 to 8 bf16 rows of ``x`` (readable as int32 pairs), value words ``(N, K / 4)``
+    int32 and positions ``(N, K / 8)`` uint8 readable as int32 words; ``K`` a multiple of 32."""
+    if meta is None or x.dtype != torch.bfloat16 or not 1 <= x.shape[0] <= MAX_M or x.stride(1) != 1:
+        return False
+    k = x.shape[1]
+    if k % TILE_K or x.stride(0) % 2 or x.data_ptr() % 4 or words.stride(1) != 1 or words.shape[1] * 4 != k:
+        return False
+    if meta.dtype != torch.uint8 or meta.dim() != 2 or meta.stride(1) != 1 or meta.shape[1] * 8 != k \
+            or meta.stride(0) % 4 or meta.data_ptr() % 4:
+        return False
+    return sparse_mma_possible(x.device)
+
+
+def run_sparse_mma(x: torch.Tensor, words: torch.Tensor, meta: torch.Tensor, *, n: int, tiles_per_slice: int,
+                   row_blocks: int, warps: int, depth: int = 1,
+                   workspace: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """``x @ densify(values, meta)^T`` in bf16 (:func:`sparse_mma_fits`): ``words`` the kept values as int32 words,
+    ``tiles_per_slice`` 32-column tiles of ``K`` per program (even), ``row_blocks`` blocks of ``16 * warps`` weight
+    rows per program (a power of two), ``depth`` (1 or 2) of them loaded ahead into registers. More than one slice
+    needs ``workspace`` ``(partials, counters)`` ([Note: split-K fix-up] in ``_word``)."""
+    m, k = x.shape
+    tiles = k // TILE_K
+    split = cdiv(tiles, tiles_per_slice)
+    if tiles_per_slice % 2 or tiles_per_slice < 2:
+        raise ValueError(f"run_sparse_mma: tiles_per_slice must be even (two tiles share a metadata register), "
+                         f"got {tiles_per_slice}")
+    if row_blocks < 1 or row_blocks & (row_blocks - 1) or warps not in (1, 2, 4, 8) or depth not in (1, 2):
+        raise ValueError(f"run_sparse_mma: row_blocks must be a power of two, warps 1, 2, 4 or 8, depth 1 or 2; got "
+                         f"{row_blocks}, {warps}, {depth}")
+    if split > 1 and workspace is None:
+        raise ValueError("run_sparse_mma: more than one slice of K needs the fix-up workspace (partials, counters)")
+    run = 16 * warps * row_blocks
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    parts, counters = workspace if split > 1 else (out, words)
+    _kernels().sparse_mma_kernel[(cdiv(n, run), split)](
+        x.view(torch.int32), words, meta.view(torch.int32), parts, counters, out, m, n, tiles, split,
+        x.stride(0) // 2, words.stride(0), meta.stride(0) // 4, out.stride(0),
+        KT=tiles_per_slice, ROW_BLOCKS=row_blocks, DEPTH=depth, PARTIAL=split > 1, FIX_K=max(1, min(16, 4096 // run)),
+        num_warps=warps)
+    return out

@@ -1,0 +1,221 @@
+"""The 2:4 GEMV on sparse tensor cores (``mma.sp``), written in Gluon: plain 2:4 weights times up to 8 rows of ``x``.
+
+Imported lazily, like ``_word_kernels`` (see [Note: lazy triton] in ``_runtime``); only on an sm_80+ GPU with a
+Triton that has Gluon (``_sparse_mma.sparse_mma_possible``).
+
+[Note: 2:4 GEMV on sparse tensor cores] The x-stationary kernel (``stationary_s24_kernel``) spends ~22 instructions
+per value word: each kept value picks its column of ``x`` by its 2-bit position (bit tests and selects), then one
+FMA. It ran at 1.5 TB/s where INT8's kernel reaches ~2 TB/s, limited by instructions and loads per byte, not by
+bytes in flight (benchmarks/RESULTS.md, kernels runs 11 and 18). The sparse tensor cores do that selection in
+hardware: ``mma.sp.m16n8k32`` multiplies a 16 x 32 weight tile stored as its 16 x 16 kept values plus 2-bit
+positions by a 32 x 8 block of ``x``. So here one warp issues one ``mma.sp`` per 16 weight rows x 32 columns, and
+the weight rows need no shuffling: the format of ``compress.nm`` is already the instruction's.
+
+- Weight rows are the MMA's ``M`` side (16 per warp), the rows of ``x`` its ``N`` side: 8 columns, of which
+  ``M`` are used (the rest are zero), so 1 to 8 rows of ``x`` cost the same weight bytes.
+- A thread's four ``A`` registers for one tile are four value words as stored: a value word is one block of 4
+  columns (its two kept bf16 values), and the fragment of lane ``4g + t`` is rows ``g`` and ``g + 8``, blocks
+  ``t`` and ``t + 4`` of the tile (PTX ISA, "Matrix Fragments for sparse mma.m16n8k32"). Any order of the blocks
+  inside a tile gives the same product if ``x`` and the metadata follow it, so the kernel hands the instruction
+  stored blocks ``2t`` and ``2t + 1`` in those places: one 8-byte load per row ([Note: block order]).
+- The metadata of a tile is 16 rows x 8 blocks x 4 bits, held by two lanes of each quad: lane ``4g`` has blocks
+  0-3 of rows ``g`` (low half) and ``g + 8`` (high half), lane ``4g + 1`` blocks 4-7; with sparsity selector 1
+  lanes ``4g + 2`` and ``4g + 3`` hold them instead. So two tiles share one register a thread: even tiles use
+  selector 0, odd tiles 1. A block's nibble (first position in bits 0-1, second in 2-3, sorted) is what
+  ``compress.nm`` stores; each thread loads the stored metadata words of its two rows and picks out its four
+  blocks' nibbles (one shift, one mask, one shift-or per row and a byte permute for both).
+- ``B`` (this program's slice of ``x``) is loaded once, lane ``4g + t`` holding row ``g`` of ``x``, columns
+  ``2t + 8i`` and ``2t + 8i + 1`` of the tile in register ``i`` (permuted as [Note: block order] says), and stays
+  in registers while weight rows stream past ([Note: x-stationary GEMV] in ``_stationary_kernels``), the next
+  block of rows loaded while the current one multiplies (register prefetch).
+- The two ``mma.sp`` of a pair of tiles run in one inline-asm call (Gluon's layouts put exactly one thread's
+  fragment registers in each call: ``pack=8``); pairs are summed in registers; the accumulator of lane ``4g + t``
+  holds rows ``g`` / ``g + 8`` times rows ``2t`` / ``2t + 1`` of ``x``.
+- Slices of ``K`` meet as in the x-stationary kernels: fp32 partials in the device workspace, summed in slice order
+  by the run's last program ([Note: split-K fix-up] in ``_word``).
+
+Tiles past ``K`` and rows past ``N`` read zero values with a valid position pair (0, 1), since an invalid one is
+undefined behaviour for the instruction. Positions must be sorted and distinct within a block, as ``compress.nm``
+writes them (the x-stationary kernel assumes the same).
+
+Measured on an H100 (benchmarks/RESULTS.md, kernels runs 66-69, speed-up over cuBLAS bf16 in the same process): one
+row 1.35-1.46x where the x-stationary kernel ran 1.08-1.16x (8192x8192: 41 us, 1.8 TB/s; 8192x28672: 119.5 us,
+2.2 TB/s), four rows 1.16-1.33x, eight 1.01-1.22x. Tried and not kept (run 68): a ``cp.async`` ring in shared memory
+(three or four blocks in flight, each thread reading back what it copied) was never among the four fastest configs.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+_cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # renamed in Triton 3.9
+
+_MMA = "mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32"
+# $0-$3: the pair's sum (the accumulator fragment), $4-$7: zero (unused slots of the pack); $8-$15: A of the even and
+# the odd tile, each as (row g, block 2t), (row g, 2t + 1), (row g + 8, 2t), (row g + 8, 2t + 1), the order in which
+# they load as two 8-byte vectors; $16-$23: B of both; $24: their metadata (selector 0 for the even tile, 1 for the
+# odd)
+_ASM_PAIR = gl.constexpr("{\n.reg .f32 d<4>, z;\nmov.f32 z, 0f00000000;\n"
+                         f"{_MMA} {{d0, d1, d2, d3}}, {{$8, $10, $9, $11}}, {{$16, $17, $18, $19}}, "
+                         "{z, z, z, z}, $24, 0x0;\n"
+                         f"{_MMA} {{$0, $1, $2, $3}}, {{$12, $14, $13, $15}}, {{$20, $21, $22, $23}}, "
+                         "{d0, d1, d2, d3}, $24, 0x1;\n"
+                         "mov.f32 $4, z;\nmov.f32 $5, z;\nmov.f32 $6, z;\nmov.f32 $7, z;\n}")
+_ASM_IO = gl.constexpr(",".join(["=f"] * 8 + ["r"] * 24))
+# the metadata register from the two rows' stored words (after the nibble fold below): bytes 0 and 2 of each
+_ASM_META = gl.constexpr("prmt.b32 $0, $1, $2, 0x6420;")
+_VALID = gl.constexpr(0x44444444)  # eight blocks whose kept positions are (0, 1): what masked metadata reads
+
+
+@gluon.jit
+def _along4(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
+    """``arange(n)`` along ``dim`` of a 4-D tensor in ``layout`` (size 1 on the other axes)."""
+    if dim == 0:
+        return gl.arange(0, n, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, layout))))[:, None, None,
+                                                                                                         None]
+    elif dim == 1:
+        return gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, layout))))[None, :, None,
+                                                                                                         None]
+    elif dim == 2:
+        return gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, layout))))[None, None, :,
+                                                                                                         None]
+    else:
+        return gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, layout))))[None, None,
+                                                                                                         None, :]
+
+
+@gluon.jit
+def _along3(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
+    """``arange(n)`` along ``dim`` of a 3-D tensor in ``layout``."""
+    if dim == 0:
+        return gl.arange(0, n, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))[:, None, None]
+    elif dim == 1:
+        return gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))[None, :, None]
+    else:
+        return gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))[None, None, :]
+
+
+@gluon.jit
+def _load_rows(w_ptr, meta_ptr, rows, a_row, a_col, a_live, m_row, m_col, m_live, m_shift, N, stride_wn,
+               stride_mn):
+    """A block's value words (the ``A`` fragments of every tile of the slice) and the metadata registers of every
+    pair of tiles; rows from ``N`` on read zero values and valid positions."""
+    ra = rows + a_row
+    a = gl.load(w_ptr + ra * stride_wn + a_col, mask=(ra < N) & a_live, other=0)
+    r0 = rows + m_row
+    lo = gl.load(meta_ptr + r0 * stride_mn + m_col, mask=(r0 < N) & m_live, other=_VALID)
+    hi = gl.load(meta_ptr + (r0 + 8) * stride_mn + m_col, mask=(r0 + 8 < N) & m_live, other=_VALID)
+    # the four blocks this lane holds are every other one (the even or the odd, ``m_shift`` 0 or 4): their nibbles
+    # folded into bytes 0 and 2, then those bytes of both rows joined
+    lo = (lo >> m_shift) & 0x0F0F0F0F
+    hi = (hi >> m_shift) & 0x0F0F0F0F
+    e = gl.inline_asm_elementwise(_ASM_META, "=r,r,r", [lo | (lo >> 4), hi | (hi >> 4)], dtype=gl.int32,
+                                  is_pure=True, pack=1)
+    return a, e
+
+
+@gluon.jit
+def sparse_mma_kernel(x_ptr, w_ptr, meta_ptr, part_ptr, count_ptr, out_ptr, M, N, TILES, SPLIT,
+                      stride_xm, stride_wn, stride_mn, stride_om, KT: gl.constexpr, ROW_BLOCKS: gl.constexpr,
+                      DEPTH: gl.constexpr, PARTIAL: gl.constexpr, FIX_K: gl.constexpr, num_warps: gl.constexpr):
+    """``out[M, N] = x @ densify(values, meta)^T`` for ``M <= 8`` ([Note: 2:4 GEMV on sparse tensor cores]).
+
+    ``x_ptr``: ``x`` (M, K) bf16 read as int32 pairs (M, K / 2); ``w_ptr``: the kept values (N, K / 2) bf16 read as
+    int32 words, one per block of 4 columns; ``meta_ptr``: the positions (N, K / 8) uint8 read as int32 words, 8
+    blocks each. ``TILES = K / 32``. Grid ``(runs, SPLIT)``: a program owns ``KT`` tiles of ``K`` (even) and a run
+    of ``ROW_BLOCKS`` blocks of ``16 * num_warps`` weight rows, warp ``w`` taking rows ``16w .. 16w + 15`` of each;
+    ``DEPTH`` (1 or 2) blocks are loaded ahead."""
+    L4: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, KT // 2, 8], threads_per_warp=[1, 32, 1, 1],
+                                        warps_per_cta=[num_warps, 1, 1, 1], order=[3, 2, 1, 0])
+    M3: gl.constexpr = gl.SliceLayout(3, L4)  # one value per pair of tiles: the metadata registers
+    O3: gl.constexpr = gl.SliceLayout(2, L4)  # one value per accumulator slot: the sums
+    ROWS: gl.constexpr = 16 * num_warps
+    pid_r = gl.program_id(0)
+    pid_k = gl.program_id(1)
+
+    # A and B fragments: axis 2 is the pair of tiles p, axis 3 the slot j (tile 2p + j // 4, register j % 4)
+    warp = _along4(num_warps, 0, L4)
+    lane = _along4(32, 1, L4)
+    j = _along4(8, 3, L4)
+    g = lane // 4
+    t = lane % 4
+    tile = pid_k * KT + 2 * _along4(KT // 2, 2, L4) + j // 4
+    r = j % 4
+    live = tile < TILES
+    # [Note: block order]: lane 4g + t's blocks t and t + 4 of a tile are stored blocks 2t and 2t + 1 (one 8-byte
+    # load per row); so the tile's logical block L is stored block 2 (L % 4) + L // 4, and register i of B, logical
+    # columns 2t + 8i and 2t + 8i + 1 (block t // 2 + 2i), reads the matching stored columns of x
+    blk = t // 2 + 2 * r
+    xb = gl.load(x_ptr + g * stride_xm + tile * 16 + 2 * (2 * (blk % 4) + blk // 4) + t % 2, mask=(g < M) & live,
+                 other=0)
+    a_row = 16 * warp + g + 8 * ((j // 2) % 2)  # not (r // 2): Triton then sees no 8-byte pairs
+    a_col = tile * 8 + 2 * t + j % 2
+
+    # metadata registers: lane 4g + t holds, for tile 2p + t // 2, logical blocks 0-3 (t even) or 4-7 (t odd) of rows
+    # g (low half) and g + 8 (high half): stored blocks 0, 2, 4, 6 or 1, 3, 5, 7
+    lane3 = _along3(32, 1, M3)
+    t3 = lane3 % 4
+    m_tile = pid_k * KT + 2 * _along3(KT // 2, 2, M3) + t3 // 2
+    m_row = 16 * _along3(num_warps, 0, M3) + lane3 // 4
+    m_shift = 4 * (t3 % 2)
+    m_live = m_tile < TILES
+
+    # where the sums go: slot j of lane 4g + t is weight row g + 8 (j // 2), row 2t + j % 2 of x (slots 4-7 unused)
+    lane_o = _along3(32, 1, O3)
+    j_o = _along3(8, 2, O3)
+    o_row = 16 * _along3(num_warps, 0, O3) + lane_o // 4 + 8 * (j_o // 2)
+    o_m = 2 * (lane_o % 4) + j_o % 2
+    o_live = (j_o < 4) & (o_m < M)
+
+    row0 = pid_r * (ROWS * ROW_BLOCKS)
+    a_1, e_1 = _load_rows(w_ptr, meta_ptr, row0, a_row, a_col, live, m_row, m_tile, m_live, m_shift, N, stride_wn,
+                          stride_mn)
+    a_2, e_2 = a_1, e_1
+    if DEPTH == 2:
+        a_2, e_2 = _load_rows(w_ptr, meta_ptr, gl.where(ROW_BLOCKS > 1, row0 + ROWS, N), a_row, a_col, live, m_row,
+                              m_tile, m_live, m_shift, N, stride_wn, stride_mn)
+    for b in range(ROW_BLOCKS):
+        rows = row0 + b * ROWS
+        a = a_1
+        e = e_1
+        nxt = gl.where(b + DEPTH < ROW_BLOCKS, rows + DEPTH * ROWS, N)  # past the last block: nothing (masked)
+        if DEPTH == 2:
+            a_1, e_1 = a_2, e_2
+            a_2, e_2 = _load_rows(w_ptr, meta_ptr, nxt, a_row, a_col, live, m_row, m_tile, m_live, m_shift, N,
+                                  stride_wn, stride_mn)
+        else:
+            a_1, e_1 = _load_rows(w_ptr, meta_ptr, nxt, a_row, a_col, live, m_row, m_tile, m_live, m_shift, N,
+                                  stride_wn, stride_mn)
+        e4 = gl.broadcast(gl.expand_dims(e, 3), a)[0]
+        d = gl.inline_asm_elementwise(_ASM_PAIR, _ASM_IO, [a, xb, e4], dtype=gl.float32, is_pure=True, pack=8)
+        acc = gl.sum(d, axis=2)  # the pairs of tiles, in registers
+        row = rows + o_row
+        mask = o_live & (row < N)
+        if PARTIAL:
+            gl.store(part_ptr + (o_m * SPLIT + pid_k) * N + row, acc, mask=mask)
+        else:
+            gl.store(out_ptr + o_m * stride_om + row, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if PARTIAL:  # [Note: split-K fix-up] in _word: the run's last slice sums the partials in slice order
+        _cta_barrier()
+        counter = count_ptr + pid_r
+        done = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT - 1:
+            RUN: gl.constexpr = ROWS * ROW_BLOCKS
+            fix_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[1, 32],
+                                                   warps_per_cta=[1, num_warps], order=[1, 0])
+            run = row0 + gl.arange(0, RUN, layout=gl.SliceLayout(0, fix_l))[None, :]
+            kc = gl.arange(0, FIX_K, layout=gl.SliceLayout(1, fix_l))[:, None]
+            for m in range(M):
+                total = gl.zeros([RUN], gl.float32, gl.SliceLayout(0, fix_l))
+                for k0 in range(0, SPLIT, 2 * FIX_K):  # two batches of slices in flight before adding either
+                    s0 = k0 + kc
+                    s1 = k0 + FIX_K + kc
+                    first = gl.load(part_ptr + (m * SPLIT + s0) * N + run, mask=(s0 < SPLIT) & (run < N), other=0.0,
+                                    cache_modifier=".cg")
+                    second = gl.load(part_ptr + (m * SPLIT + s1) * N + run, mask=(s1 < SPLIT) & (run < N),
+                                     other=0.0, cache_modifier=".cg")
+                    total += gl.sum(first, axis=0)
+                    total += gl.sum(second, axis=0)
+                orow = row0 + gl.arange(0, RUN, layout=gl.SliceLayout(0, fix_l))
+                gl.store(out_ptr + m * stride_om + orow, total.to(out_ptr.dtype.element_ty), mask=orow < N)
+            gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")

@@ -1,0 +1,126 @@
+"""The 2:4 GEMV on sparse tensor cores ([Note: 2:4 GEMV on sparse tensor cores] in kernels/_sparse_mma_kernels.py), a
+Gluon kernel around inline ``mma.sp`` that the CPU interpreter cannot run. Here: when it is offered and chosen, that
+bad arguments are refused, and that it compiles for sm_90 into what it exists for: one sparse MMA per 32-column
+tile, the two selectors of a shared metadata register, weight words read in 8-byte pairs, nothing spilled. Its values
+are checked on the GPU, bit for bit on integer data (``benchmarks/sparse_mma_check.py``) and against the reference
+at full size (``benchmarks/gemv_check.py --formats s24 --kinds mma``; benchmarks/RESULTS.md, kernels runs 66-69)."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.sm90_compile import run_compile_script
+from zspeed.kernels import KernelPolicy, _sparse_mma, _word
+
+
+def test_candidates_split_k_into_even_tiles_that_fit_the_workspace(monkeypatch):
+    monkeypatch.setattr(_word, "_sm_count", lambda index: 132)
+    gpu = torch.device("cuda", 0)
+    for m, n, k in ((1, 8192, 8192), (4, 28672, 8192), (8, 8192, 28672), (1, 100, 96)):
+        got = _word.sparse_mma_candidates(m, n, k, gpu)
+        assert got and all(c.sparse_mma and c.row_blocks & (c.row_blocks - 1) == 0 for c in got)
+        for c in got:
+            tiles = c.block_w // 8
+            assert tiles % 2 == 0 and c.block_n == 16 * c.warps and c.prefetch in (1, 2)
+            assert c.split_k == -(-(k // 32) // tiles)
+            assert c.split_k == 1 or m * c.split_k * n <= _word.STATIONARY_WORKSPACE
+    # a wave of programs where the shape allows one
+    assert all(c.split_k * -(-8192 // (c.block_n * c.row_blocks)) >= 132
+               for c in _word.sparse_mma_candidates(1, 8192, 8192, gpu))
+    # 8 rows x 224 slices x 28672 outputs would overrun the workspace: the 4-tile slices are left out there
+    assert all(c.block_w == 64 for c in _word.sparse_mma_candidates(8, 28672, 28672, gpu))
+
+
+def test_fits_bf16_x_of_1_to_8_rows_and_aligned_operands(monkeypatch):
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    words = torch.zeros(64, 64, dtype=torch.int32)
+    meta = torch.zeros(64, 32, dtype=torch.uint8)
+    assert not _sparse_mma.sparse_mma_fits(x, words, meta)  # the CPU: no GPU to run it
+    monkeypatch.setattr(_sparse_mma, "sparse_mma_possible", lambda device: True)
+    assert _sparse_mma.sparse_mma_fits(x, words, meta)
+    assert _sparse_mma.sparse_mma_fits(x[:1], words, meta) and _sparse_mma.sparse_mma_fits(torch.zeros(8, 256,
+                                                                                                   dtype=torch.bfloat16),
+                                                                                       words, meta)
+    assert not _sparse_mma.sparse_mma_fits(torch.zeros(9, 256, dtype=torch.bfloat16), words, meta)  # the MMA's N is 8
+    assert not _sparse_mma.sparse_mma_fits(x.half(), words, meta)
+    assert not _sparse_mma.sparse_mma_fits(x, words, None)
+    assert not _sparse_mma.sparse_mma_fits(torch.zeros(4, 240, dtype=torch.bfloat16), words[:, :60], meta[:, :30])
+    assert not _sparse_mma.sparse_mma_fits(x, words, torch.zeros(64, 33, dtype=torch.uint8)[:, 1:])  # 1 byte in
+
+
+def test_policy_keeps_2_4_on_gemv_up_to_8_rows_only_where_it_runs():
+    policy = KernelPolicy()
+    for m in (2, 4, 8):
+        assert policy.path("sparse24", m, sparse_mma=True) == "gemv"
+        assert policy.path("sparse24", m, sparse_mma=False) == "splitk"
+        assert policy.path("w4a16", m, sparse_mma=True) == "wdot"  # other formats: unchanged
+    assert policy.path("sparse24", 9, sparse_mma=True) == "splitk"
+    assert policy.path("sparse24", 4, words=False, sparse_mma=True) == "splitk"
+    assert KernelPolicy(sparse_gemv_max_m=1).path("sparse24", 4, sparse_mma=True) == "splitk"
+
+
+def test_bad_arguments_are_refused_before_launch():
+    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    words = torch.zeros(64, 64, dtype=torch.int32)
+    meta = torch.zeros(64, 32, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="even"):
+        _sparse_mma.run_sparse_mma(x, words, meta, n=64, tiles_per_slice=3, row_blocks=1, warps=4, workspace=None)
+    with pytest.raises(ValueError, match="power of two"):
+        _sparse_mma.run_sparse_mma(x, words, meta, n=64, tiles_per_slice=8, row_blocks=3, warps=4, workspace=None)
+    with pytest.raises(ValueError, match="workspace"):
+        _sparse_mma.run_sparse_mma(x, words, meta, n=64, tiles_per_slice=2, row_blocks=1, warps=4, workspace=None)
+
+
+_COMPILE = r'''
+import json, os, re, subprocess, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.jit import mangle_type
+from triton.experimental.gluon._runtime import GluonASTSource
+from zspeed.kernels import _sparse_mma_kernels as S
+
+opts = json.loads(sys.argv[1])
+n, k = 8192, 8192
+args = dict(x_ptr=torch.empty(1, dtype=torch.int32), w_ptr=torch.empty(1, dtype=torch.int32),
+            meta_ptr=torch.empty(1, dtype=torch.int32), part_ptr=torch.empty(1, dtype=torch.float32),
+            count_ptr=torch.empty(1, dtype=torch.int32), out_ptr=torch.empty(1, dtype=torch.bfloat16),
+            M=1, N=n, TILES=k // 32, SPLIT=4, stride_xm=k // 2, stride_wn=k // 4, stride_mn=k // 32, stride_om=n)
+names = list(args)
+sig = {name: mangle_type(v) for name, v in args.items()}
+const = dict(KT=opts["KT"], ROW_BLOCKS=4, DEPTH=opts["DEPTH"], PARTIAL=True, FIX_K=4, num_warps=opts["W"])
+sig.update({name: "constexpr" for name in const})
+aligned = ["x_ptr", "w_ptr", "meta_ptr", "part_ptr", "count_ptr", "out_ptr", "stride_xm", "stride_wn", "stride_mn",
+           "stride_om", "N"]  # as the JIT specializes them at a real launch (multiples of 16)
+attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+kernel = triton.compile(GluonASTSource(S.sparse_mma_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": opts["W"]})
+path = sys.argv[2]
+open(path, "wb").write(kernel.asm["cubin"])
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+res = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", sass, flags=re.M)
+print(json.dumps({"ops": ops, "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
+                  "local": int(re.search(r"LOCAL:(\d+)", res).group(1))}))
+'''
+
+
+@pytest.mark.parametrize("kt,warps,depth", [(8, 4, 1), (4, 8, 1), (8, 4, 2)])
+def test_compiles_for_hopper_to_one_sparse_mma_per_tile(tmp_path, kt, warps, depth):
+    if _sparse_mma._kernels() is None:
+        pytest.skip("this triton has no Gluon")
+    opts = {"KT": kt, "W": warps, "DEPTH": depth}
+    got = run_compile_script(_COMPILE, [json.dumps(opts), str(tmp_path / "sparse_mma.cubin")], tmp_path)
+    mmas = [rest for op, rest in got["ops"] if op.startswith("HMMA.SP.16832.F32.BF16")]
+    assert len(mmas) == kt  # one row block per loop iteration: one mma.sp per 32-column tile
+    selectors = [re.search(r"(0x[01])\s*$", rest.strip()).group(1) for rest in mmas]
+    assert selectors.count("0x0") == selectors.count("0x1") == kt // 2  # a metadata register serves two tiles
+    loads = [op for op, _ in got["ops"] if op.startswith("LDG")]
+    # the value words: two 8-byte loads per tile (rows g and g + 8) for each block loaded (prologue + loop)
+    assert loads.count("LDG.E.64") == 2 * kt * (depth + 1)
+    assert got["stack"] == 0 and got["local"] == 0
+    assert not any(op.startswith(("LDL", "STL")) for op, _ in got["ops"])
