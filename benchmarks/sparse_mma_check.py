@@ -5,8 +5,8 @@ kernels/_sparse_mma_kernels.py).
 
 Small integer weights and activations (exact in bf16, and every sum exact in fp32), odd row counts (rows past ``N``
 masked), ``K`` not a multiple of a slice (tiles past ``K`` masked), 1 to 8 rows of ``x``, one and several slices,
-one or two blocks loaded ahead; each output lands on memory just filled with NaN, so an element left unwritten fails.
-Prints one line per case and exits non-zero on any mismatch.
+none, one or two blocks loaded ahead, whole and partial runs of rows; each output lands on memory just filled with
+NaN, so an element left unwritten fails. Prints one line per case and exits non-zero on any mismatch.
 """
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ from zspeed.compress.nm import compress_nm
 from zspeed.kernels import _word, sparse24_ref
 from zspeed.kernels._sparse_mma import run_sparse_mma
 
-CASES = ((16, 64, 1, 2), (16, 64, 8, 2), (64, 256, 3, 4), (200, 96, 5, 2), (1000, 512, 1, 4), (1000, 8192, 2, 8))
-CONFIGS = ((1, 1, 1), (4, 2, 2), (2, 4, 2), (8, 1, 1))  # (warps, row blocks, blocks ahead)
+CASES = ((16, 64, 1, 2), (16, 64, 8, 2), (64, 256, 3, 4), (200, 96, 5, 2), (1000, 512, 1, 4), (1000, 8192, 2, 8),
+         (1024, 4096, 1, 16), (2048, 8192, 7, 16))  # (N, K, M, tiles per slice)
+CONFIGS = ((1, 1, 1), (4, 2, 2), (2, 4, 2), (8, 1, 1), (4, 2, 0), (2, 4, 0), (1, 1, 0))  # (warps, row blocks,
+# blocks ahead)
 
 
 def main() -> int:

@@ -50,11 +50,11 @@ def sparse_mma_fits(x: torch.Tensor, words: torch.Tensor, meta: torch.Tensor | N
 
 
 def run_sparse_mma(x: torch.Tensor, words: torch.Tensor, meta: torch.Tensor, *, n: int, tiles_per_slice: int,
-                   row_blocks: int, warps: int, depth: int = 1,
+                   row_blocks: int, warps: int, depth: int = 0,
                    workspace: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """``x @ densify(values, meta)^T`` in bf16 (:func:`sparse_mma_fits`): ``words`` the kept values as int32 words,
     ``tiles_per_slice`` 32-column tiles of ``K`` per program (even), ``row_blocks`` blocks of ``16 * warps`` weight
-    rows per program (a power of two), ``depth`` (1 or 2) of them loaded ahead into registers. More than one slice
+    rows per program (a power of two), ``depth`` (0, 1 or 2) of them loaded ahead into registers. More than one slice
     needs ``workspace`` ``(partials, counters)`` ([Note: split-K fix-up] in ``_word``)."""
     m, k = x.shape
     tiles = k // TILE_K
@@ -62,8 +62,8 @@ def run_sparse_mma(x: torch.Tensor, words: torch.Tensor, meta: torch.Tensor, *, 
     if tiles_per_slice % 2 or tiles_per_slice < 2:
         raise ValueError(f"run_sparse_mma: tiles_per_slice must be even (two tiles share a metadata register), "
                          f"got {tiles_per_slice}")
-    if row_blocks < 1 or row_blocks & (row_blocks - 1) or warps not in (1, 2, 4, 8) or depth not in (1, 2):
-        raise ValueError(f"run_sparse_mma: row_blocks must be a power of two, warps 1, 2, 4 or 8, depth 1 or 2; got "
+    if row_blocks < 1 or row_blocks & (row_blocks - 1) or warps not in (1, 2, 4, 8) or depth not in (0, 1, 2):
+        raise ValueError(f"run_sparse_mma: row_blocks must be a power of two, warps 1, 2, 4 or 8, depth 0-2; got "
                          f"{row_blocks}, {warps}, {depth}")
     if split > 1 and workspace is None:
         raise ValueError("run_sparse_mma: more than one slice of K needs the fix-up workspace (partials, counters)")
@@ -73,6 +73,6 @@ def run_sparse_mma(x: torch.Tensor, words: torch.Tensor, meta: torch.Tensor, *, 
     _kernels().sparse_mma_kernel[(cdiv(n, run), split)](
         x.view(torch.int32), words, meta.view(torch.int32), parts, counters, out, m, n, tiles, split,
         x.stride(0) // 2, words.stride(0), meta.stride(0) // 4, out.stride(0),
-        KT=tiles_per_slice, ROW_BLOCKS=row_blocks, DEPTH=depth, PARTIAL=split > 1, FIX_K=max(1, min(16, 4096 // run)),
-        num_warps=warps)
+        KT=tiles_per_slice, ROW_BLOCKS=row_blocks, DEPTH=depth, PARTIAL=split > 1,
+        FIX_K=max(1, min(16, 4096 // run)), num_warps=warps)
     return out

@@ -38,10 +38,12 @@ Tiles past ``K`` and rows past ``N`` read zero values with a valid position pair
 undefined behaviour for the instruction. Positions must be sorted and distinct within a block, as ``compress.nm``
 writes them (the x-stationary kernel assumes the same).
 
-Measured on an H100 (benchmarks/RESULTS.md, kernels runs 66-69, speed-up over cuBLAS bf16 in the same process): one
-row 1.35-1.46x where the x-stationary kernel ran 1.08-1.16x (8192x8192: 41 us, 1.8 TB/s; 8192x28672: 119.5 us,
-2.2 TB/s), four rows 1.16-1.33x, eight 1.01-1.22x. Tried and not kept (run 68): a ``cp.async`` ring in shared memory
-(three or four blocks in flight, each thread reading back what it copied) was never among the four fastest configs.
+Measured on an H100 (benchmarks/RESULTS.md, kernels runs 66-73, speed-up over cuBLAS bf16 in the same process): one
+row 1.39-1.55x where the x-stationary kernel ran 1.08-1.16x (8192x28672: 112.7 us, 2.3 TB/s), four rows 1.31-1.48x,
+eight 1.22-1.39x; best with 512-column slices and nothing loaded ahead (a warp's whole block in flight at once).
+Tried and not kept: a ``cp.async`` ring in shared memory (run 68, never among the four fastest configs), weights
+read through L2 only (run 71, never chosen), unmasked loads where rows and slices are whole (run 72: fewer
+registers, 4-11 % slower at 4-8 rows).
 """
 from __future__ import annotations
 
@@ -124,7 +126,7 @@ def sparse_mma_kernel(x_ptr, w_ptr, meta_ptr, part_ptr, count_ptr, out_ptr, M, N
     int32 words, one per block of 4 columns; ``meta_ptr``: the positions (N, K / 8) uint8 read as int32 words, 8
     blocks each. ``TILES = K / 32``. Grid ``(runs, SPLIT)``: a program owns ``KT`` tiles of ``K`` (even) and a run
     of ``ROW_BLOCKS`` blocks of ``16 * num_warps`` weight rows, warp ``w`` taking rows ``16w .. 16w + 15`` of each;
-    ``DEPTH`` (1 or 2) blocks are loaded ahead."""
+    ``DEPTH`` (0, 1 or 2) blocks are loaded ahead (0: each where it is used, other warps hiding the wait)."""
     L4: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, KT // 2, 8], threads_per_warp=[1, 32, 1, 1],
                                         warps_per_cta=[num_warps, 1, 1, 1], order=[3, 2, 1, 0])
     M3: gl.constexpr = gl.SliceLayout(3, L4)  # one value per pair of tiles: the metadata registers
@@ -168,24 +170,29 @@ def sparse_mma_kernel(x_ptr, w_ptr, meta_ptr, part_ptr, count_ptr, out_ptr, M, N
     o_live = (j_o < 4) & (o_m < M)
 
     row0 = pid_r * (ROWS * ROW_BLOCKS)
-    a_1, e_1 = _load_rows(w_ptr, meta_ptr, row0, a_row, a_col, live, m_row, m_tile, m_live, m_shift, N, stride_wn,
-                          stride_mn)
-    a_2, e_2 = a_1, e_1
-    if DEPTH == 2:
-        a_2, e_2 = _load_rows(w_ptr, meta_ptr, gl.where(ROW_BLOCKS > 1, row0 + ROWS, N), a_row, a_col, live, m_row,
-                              m_tile, m_live, m_shift, N, stride_wn, stride_mn)
+    if DEPTH > 0:
+        a_1, e_1 = _load_rows(w_ptr, meta_ptr, row0, a_row, a_col, live, m_row, m_tile, m_live, m_shift, N,
+                              stride_wn, stride_mn)
+        a_2, e_2 = a_1, e_1
+        if DEPTH == 2:
+            a_2, e_2 = _load_rows(w_ptr, meta_ptr, gl.where(ROW_BLOCKS > 1, row0 + ROWS, N), a_row, a_col, live,
+                                  m_row, m_tile, m_live, m_shift, N, stride_wn, stride_mn)
     for b in range(ROW_BLOCKS):
         rows = row0 + b * ROWS
-        a = a_1
-        e = e_1
-        nxt = gl.where(b + DEPTH < ROW_BLOCKS, rows + DEPTH * ROWS, N)  # past the last block: nothing (masked)
-        if DEPTH == 2:
-            a_1, e_1 = a_2, e_2
-            a_2, e_2 = _load_rows(w_ptr, meta_ptr, nxt, a_row, a_col, live, m_row, m_tile, m_live, m_shift, N,
-                                  stride_wn, stride_mn)
+        if DEPTH == 0:  # no prefetch: the block is loaded where it is used (other warps hide the wait)
+            a, e = _load_rows(w_ptr, meta_ptr, rows, a_row, a_col, live, m_row, m_tile, m_live, m_shift, N,
+                              stride_wn, stride_mn)
         else:
-            a_1, e_1 = _load_rows(w_ptr, meta_ptr, nxt, a_row, a_col, live, m_row, m_tile, m_live, m_shift, N,
-                                  stride_wn, stride_mn)
+            a = a_1
+            e = e_1
+            nxt = gl.where(b + DEPTH < ROW_BLOCKS, rows + DEPTH * ROWS, N)  # past the last block: nothing (masked)
+            if DEPTH == 2:
+                a_1, e_1 = a_2, e_2
+                a_2, e_2 = _load_rows(w_ptr, meta_ptr, nxt, a_row, a_col, live, m_row, m_tile, m_live, m_shift, N,
+                                      stride_wn, stride_mn)
+            else:
+                a_1, e_1 = _load_rows(w_ptr, meta_ptr, nxt, a_row, a_col, live, m_row, m_tile, m_live, m_shift, N,
+                                      stride_wn, stride_mn)
         e4 = gl.broadcast(gl.expand_dims(e, 3), a)[0]
         d = gl.inline_asm_elementwise(_ASM_PAIR, _ASM_IO, [a, xb, e4], dtype=gl.float32, is_pure=True, pack=8)
         acc = gl.sum(d, axis=2)  # the pairs of tiles, in registers

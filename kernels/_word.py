@@ -105,6 +105,7 @@ class WordConfig:
     sparse_mma: bool = False  # gemv, plain 2:4 in bf16 on sm_80+: the Gluon kernel on sparse tensor cores ([Note: 2:4
     # GEMV on sparse tensor cores] in _sparse_mma_kernels); block_w value words per slice of K (8 per 32-column
     # tile), split_k slices, row_blocks blocks of 16 x warps weight rows per program, prefetch blocks loaded ahead
+    # (0: none)
 
 
 @functools.cache
@@ -487,9 +488,9 @@ def _stationary_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Ten
     return ws
 
 
-SPARSE_MMA_TILES = ((8, 4, 1), (4, 4, 1), (8, 8, 1), (8, 4, 2))  # (32-column tiles per slice, warps, blocks loaded
-# ahead) of the 2:4 mma.sp GEMV: on an H100 (kernels runs 66-68) 8 tiles and 4 warps won at every shape and 1-8 rows
-# but one, 4 tiles at 8192x28672 with one row; 8 warps and two blocks ahead came within 2-3 %
+SPARSE_MMA_TILES = ((16, 4, 0), (8, 4, 0), (8, 4, 1), (16, 8, 0), (8, 8, 0))  # (32-column tiles per slice, warps,
+# blocks loaded ahead) of the 2:4 mma.sp GEMV; on an H100 (kernels runs 71 and 73) 16 tiles, 4 warps and nothing
+# loaded ahead won at every shape and 1-8 rows: blocks loaded ahead cost registers that deeper slices use better
 SPARSE_MMA_RUNS = (1, 2, 4, 8, 16)  # row blocks per program
 
 
@@ -501,15 +502,14 @@ def sparse_mma_candidates(m: int, n: int, k: int, device: torch.device) -> list[
     sms = _sm_count(device.index or 0)
     out = []
     for kt, warps, depth in SPARSE_MMA_TILES:
-        if kt > 2 * tiles and kt > 2:
-            continue
+        kt = max(2, min(kt, tiles + tiles % 2))  # a short K: one slice of all its tiles (an even number)
         split = cdiv(tiles, kt)
         if split > 1 and m * split * n > STATIONARY_WORKSPACE:
             continue
         runs = [rb for rb in SPARSE_MMA_RUNS if split * cdiv(n, 16 * warps * rb) >= sms
                 and cdiv(n, 16 * warps * rb) <= WORKSPACE_COUNTERS] or [1]
-        out += [WordConfig(1, 16 * warps, 8 * kt, split, warps, prefetch=depth, row_blocks=rb, sparse_mma=True)
-                for rb in runs]
+        out += [c for c in (WordConfig(1, 16 * warps, 8 * kt, split, warps, prefetch=depth, row_blocks=rb,
+                                       sparse_mma=True) for rb in runs) if c not in out]
     return out
 
 
