@@ -201,7 +201,8 @@ def run_shape(k: int, n: int, args) -> list[dict]:
         row = {"K": k, "N": n, "M": m, "cublas_bf16_ms": base_ms, "results": {}}
         for name, (fn, ref) in ours.items():
             s24 = name == "sparse24"  # bf16 kept values on a GPU: sparse tensor cores where they run
-            chosen = kernel_policy().path(name, m, semi=s24, sparse_mma=s24 and sparse_mma_possible(x.device))
+            mma = name in ("sparse24", "sparse24_w4a16") and sparse_mma_possible(x.device)
+            chosen = kernel_policy().path(name, m, semi=s24, sparse_mma=mma)
             row["results"][name] = {**timed(name, lambda x_: fn(x_, None), ref, x, args.rep), "path": chosen}
             if not args.no_paths:
                 for path, (lo, hi) in PATH_RANGE[name].items():

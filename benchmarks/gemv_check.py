@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from zspeed.compress import quantize_int4, quantize_int8
 from zspeed.compress.nm import compress_nm, prune_nm
-from zspeed.kernels import _sparse_mma, _word, sparse24_ref, w4a16_ref, w8a16_ref
+from zspeed.kernels import _sparse_mma, _word, sparse24_ref, sparse24_w4a16_ref, w4a16_ref, w8a16_ref
 from zspeed.kernels._runtime import graph_time_ms, m_bucket
 
 
@@ -34,8 +34,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ms", type=int, nargs="*", default=[1, 4])
     p.add_argument("--shapes", type=_shape, nargs="*", default=[(8192, 8192), (8192, 28672), (28672, 8192)])
-    p.add_argument("--formats", nargs="*", default=["w4", "w8"], choices=["w4", "w8", "s24"])
-    p.add_argument("--kinds", nargs="*", default=["tile", "stationary", "tma"], choices=["tile", "stationary", "tma", "mma"])
+    p.add_argument("--formats", nargs="*", default=["w4", "w8"], choices=["w4", "w8", "s24", "s24w4"])
+    p.add_argument("--kinds", nargs="*", default=["tile", "stationary", "tma"],
+                   choices=["tile", "stationary", "tma", "mma"])
     p.add_argument("--json")
     args = p.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
@@ -51,11 +52,18 @@ def main() -> None:
                 q = quantize_int8(w, scale_dtype=torch.bfloat16)
                 f, s, z, group = _word.FMT_W8, q.scales, None, 0
                 ref_fn = lambda x, q=q: w8a16_ref(x, q.qweight, q.scales)  # noqa: E731
-            if fmt == "s24":
+            if fmt in ("s24", "s24w4"):
                 sp = compress_nm(prune_nm(w, w.abs(), n=2, m=4))
+            if fmt == "s24":
                 words, meta = _word.word_view(_word.FMT_S24, sp.values, sp.meta, k)
                 f, s, z, group = _word.FMT_S24, sp.values, None, 1
                 ref_fn = lambda x, sp=sp: sparse24_ref(x, sp.values, sp.meta)  # noqa: E731
+            elif fmt == "s24w4":  # 64 kept values = 128 original columns a group, as bench_kernels.py
+                v4 = quantize_int4(sp.values, group_size=64, scale_dtype=torch.bfloat16)
+                words, meta = _word.word_view(_word.FMT_S24W4, v4.qweight, sp.meta, k)
+                f, s, z, group = _word.FMT_S24W4, v4.scales, v4.zeros, 128
+                ref_fn = lambda x, v4=v4, sp=sp: sparse24_w4a16_ref(x, v4.qweight, sp.meta, v4.scales,  # noqa: E731
+                                                                    v4.zeros, 128)
             else:
                 words, meta = q.qweight.view(torch.int32), None
             for m in args.ms:
@@ -65,14 +73,19 @@ def main() -> None:
                 row = {"k": k, "n": n, "format": fmt, "m": m, "bf16_us": base * 1e3}
                 stationary = _word.stationary_candidates(f, m, n, words.shape[1], group, x.device)
                 mma = f == _word.FMT_S24 and _sparse_mma.sparse_mma_fits(x, words, sp.meta)
+                mma_w4 = f == _word.FMT_S24W4 and _sparse_mma.sparse_mma_w4_fits(x, words, meta, s, z, group=group)
                 kinds = {"tile": _word.gemv_candidates(f, m, n, words.shape[1], group, x.device),
                          "stationary": [c for c in stationary if not c.tma],
                          "tma": [c for c in stationary if c.tma],  # [Note: TMA weight stream]
-                         "mma": _word.sparse_mma_candidates(m, n, k, x.device) if mma else []}
+                         "mma": _word.sparse_mma_candidates(m, n, k, x.device) if mma else
+                         [c for c in _word.sparse_mma_candidates(m, n, k, x.device) if c.prefetch == 0] if mma_w4
+                         else []}
                 for kind, cands in kinds.items():
                     if not cands or kind not in args.kinds:
                         continue
                     def launch(c):
+                        if c.sparse_mma and f == _word.FMT_S24W4:
+                            return _word.run_sparse_mma(x, words, meta, c, n=n, s=s, z=z, group=group)
                         if c.sparse_mma:
                             return _word.run_sparse_mma(x, words, sp.meta, c, n=n)
                         if c.row_blocks:

@@ -1,12 +1,14 @@
-"""The 2:4 GEMV on sparse tensor cores checked bit for bit on a GPU ([Note: 2:4 GEMV on sparse tensor cores] in
-kernels/_sparse_mma_kernels.py).
+"""The 2:4 GEMVs on sparse tensor cores, plain and with INT4 kept values, checked bit for bit on a GPU ([Note: 2:4
+GEMV on sparse tensor cores] in kernels/_sparse_mma_kernels.py).
 
     python benchmarks/sparse_mma_check.py
 
 Small integer weights and activations (exact in bf16, and every sum exact in fp32), odd row counts (rows past ``N``
 masked), ``K`` not a multiple of a slice (tiles past ``K`` masked), 1 to 8 rows of ``x``, one and several slices,
 none, one or two blocks loaded ahead, whole and partial runs of rows; each output lands on memory just filled with
-NaN, so an element left unwritten fails. Prints one line per case and exits non-zero on any mismatch.
+NaN, so an element left unwritten fails. 2:4 + INT4: random codes, with and without zero points, scales that are
+powers of two (so that the reference's bf16 weights are exact), groups of 128 and 256 original columns. Prints one
+line per case and exits non-zero on any mismatch.
 """
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ import sys
 import torch
 
 from zspeed.compress.nm import compress_nm
-from zspeed.kernels import _word, sparse24_ref
-from zspeed.kernels._sparse_mma import run_sparse_mma
+from zspeed.kernels import _word, sparse24_ref, sparse24_w4a16_ref
+from zspeed.kernels._sparse_mma import run_sparse_mma, run_sparse_mma_w4
 
 CASES = ((16, 64, 1, 2), (16, 64, 8, 2), (64, 256, 3, 4), (200, 96, 5, 2), (1000, 512, 1, 4), (1000, 8192, 2, 8),
          (1024, 4096, 1, 16), (2048, 8192, 7, 16))  # (N, K, M, tiles per slice)
@@ -24,15 +26,45 @@ CONFIGS = ((1, 1, 1), (4, 2, 2), (2, 4, 2), (8, 1, 1), (4, 2, 0), (2, 4, 0), (1,
 # blocks ahead)
 
 
+W4_CASES = ((16, 128, 1, 2, 128, True), (64, 512, 8, 4, 128, False), (200, 384, 5, 2, 128, True),
+            (1000, 1024, 3, 8, 256, True), (1024, 8192, 1, 16, 128, True), (2048, 8192, 7, 8, 128, False))
+# (N, K, M, tiles per slice, group of original columns, zero points)
+
+
+def _pattern(n: int, k: int) -> torch.Tensor:
+    """A random 2:4 matrix of small integers (each block keeps two positions, some of its values zero)."""
+    w = torch.randint(-4, 5, (n, k), device="cuda").float().view(n, k // 4, 4)
+    keep = torch.rand(n, k // 4, 4, device="cuda").argsort(-1)[..., :2]
+    return (w * torch.zeros_like(w).scatter_(-1, keep, 1.0)).view(n, k).to(torch.bfloat16)
+
+
+def check_w4(ws) -> int:
+    bad = 0
+    for n, k, m, kt, group, zeros in W4_CASES:
+        meta = compress_nm(_pattern(n, k)).meta
+        codes = torch.randint(0, 256, (n, k // 4), device="cuda", dtype=torch.uint8)
+        scales = (2.0 ** torch.randint(-2, 2, (n, k // group), device="cuda")).to(torch.bfloat16)
+        z = torch.randint(0, 16, (n, k // group), device="cuda", dtype=torch.uint8) if zeros else None
+        x = torch.randint(-3, 4, (m, k), device="cuda").to(torch.bfloat16)
+        ref = sparse24_w4a16_ref(x, codes, meta, scales, z, group).float()
+        for warps, rb, _ in CONFIGS:
+            torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)  # freed: the output lands on it
+            out = run_sparse_mma_w4(x, codes.view(torch.int32), meta.view(torch.int16), scales, z, n=n, group=group,
+                                    tiles_per_slice=kt, row_blocks=rb, warps=warps, workspace=ws).float()
+            ok = torch.equal(out, ref)
+            bad += not ok
+            print(f"2:4+INT4 g{group} zeros={zeros} N={n} K={k} M={m} tiles/slice={kt} warps={warps} row blocks={rb}: "
+                  + ("exact" if ok else f"MISMATCH (max {(out - ref).abs().max().item()}, "
+                                        f"{out.isnan().sum().item()} NaN)"), flush=True)
+    return bad
+
+
 def main() -> int:
     torch.manual_seed(0)
     bad = 0
     ws = _word._stationary_workspace(torch.device("cuda"))
     for n, k, m, kt in CASES:
-        w = torch.randint(-4, 5, (n, k), device="cuda").float().view(n, k // 4, 4)
-        keep = torch.rand(n, k // 4, 4, device="cuda").argsort(-1)[..., :2]
-        w = (w * torch.zeros_like(w).scatter_(-1, keep, 1.0)).view(n, k).to(torch.bfloat16)
-        sp = compress_nm(w)
+        sp = compress_nm(_pattern(n, k))
         x = torch.randint(-3, 4, (m, k), device="cuda").to(torch.bfloat16)
         ref = sparse24_ref(x, sp.values, sp.meta).float()
         for warps, rb, depth in CONFIGS:
@@ -44,6 +76,7 @@ def main() -> int:
             print(f"N={n} K={k} M={m} tiles/slice={kt} warps={warps} row blocks={rb} ahead={depth}: "
                   + ("exact" if ok else f"MISMATCH (max {(out - ref).abs().max().item()}, "
                                         f"{out.isnan().sum().item()} NaN)"), flush=True)
+    bad += check_w4(ws)
     print("all exact" if not bad else f"{bad} mismatches")
     return 1 if bad else 0
 

@@ -122,10 +122,11 @@ def launch(name: str, fmt: int, x: torch.Tensor, w: torch.Tensor, s: torch.Tenso
 
             pipelined = pipelined_fits(x, s, group=group, k=k, int8=fmt == FMT_W8)
         sparse_mma = False
-        if fmt == FMT_S24 and view is not None and 1 < x.shape[0] <= kernel_policy().sparse_gemv_max_m:
-            from ._sparse_mma import sparse_mma_fits
+        if fmt in (FMT_S24, FMT_S24W4) and view is not None and 1 < x.shape[0] <= kernel_policy().sparse_gemv_max_m:
+            from ._sparse_mma import sparse_mma_fits, sparse_mma_w4_fits
 
-            sparse_mma = sparse_mma_fits(x, view[0], view[1])
+            sparse_mma = sparse_mma_fits(x, view[0], view[1]) if fmt == FMT_S24 else \
+                sparse_mma_w4_fits(x, view[0], view[1], s, z, group=group)
         path = kernel_policy().path(name, x.shape[0], words=words, semi=semi, wdot=_word.wdot_fits(fmt, group),
                                     pipelined=pipelined, sparse_mma=sparse_mma)
     if path not in PATHS and path not in WORD_PATHS and path != "semi":

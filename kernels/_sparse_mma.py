@@ -49,6 +49,24 @@ def sparse_mma_fits(x: torch.Tensor, words: torch.Tensor, meta: torch.Tensor | N
     return sparse_mma_possible(x.device)
 
 
+def _setup(name: str, x: torch.Tensor, like: torch.Tensor, *, n: int, tiles_per_slice: int, row_blocks: int,
+           warps: int, workspace):
+    """``(tiles, split, run, out, partials, counters, fix_k)`` of a launch, its arguments checked first."""
+    m, k = x.shape
+    tiles = k // TILE_K
+    split = cdiv(tiles, tiles_per_slice)
+    if tiles_per_slice % 2 or tiles_per_slice < 2 or row_blocks < 1 or row_blocks & (row_blocks - 1) \
+            or warps not in (1, 2, 4, 8):
+        raise ValueError(f"{name}: tiles_per_slice must be even (two tiles share a metadata register), row_blocks a "
+                         f"power of two, warps 1, 2, 4 or 8; got {tiles_per_slice}, {row_blocks}, {warps}")
+    if split > 1 and workspace is None:
+        raise ValueError(f"{name}: more than one slice of K needs the fix-up workspace (partials, counters)")
+    run = 16 * warps * row_blocks
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    parts, counters = workspace if split > 1 else (out, like)
+    return tiles, split, run, out, parts, counters, max(1, min(16, 4096 // run))
+
+
 def run_sparse_mma(x: torch.Tensor, words: torch.Tensor, meta: torch.Tensor, *, n: int, tiles_per_slice: int,
                    row_blocks: int, warps: int, depth: int = 0,
                    workspace: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -56,23 +74,50 @@ def run_sparse_mma(x: torch.Tensor, words: torch.Tensor, meta: torch.Tensor, *, 
     ``tiles_per_slice`` 32-column tiles of ``K`` per program (even), ``row_blocks`` blocks of ``16 * warps`` weight
     rows per program (a power of two), ``depth`` (0, 1 or 2) of them loaded ahead into registers. More than one slice
     needs ``workspace`` ``(partials, counters)`` ([Note: split-K fix-up] in ``_word``)."""
-    m, k = x.shape
-    tiles = k // TILE_K
-    split = cdiv(tiles, tiles_per_slice)
-    if tiles_per_slice % 2 or tiles_per_slice < 2:
-        raise ValueError(f"run_sparse_mma: tiles_per_slice must be even (two tiles share a metadata register), "
-                         f"got {tiles_per_slice}")
-    if row_blocks < 1 or row_blocks & (row_blocks - 1) or warps not in (1, 2, 4, 8) or depth not in (0, 1, 2):
-        raise ValueError(f"run_sparse_mma: row_blocks must be a power of two, warps 1, 2, 4 or 8, depth 0-2; got "
-                         f"{row_blocks}, {warps}, {depth}")
-    if split > 1 and workspace is None:
-        raise ValueError("run_sparse_mma: more than one slice of K needs the fix-up workspace (partials, counters)")
-    run = 16 * warps * row_blocks
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    parts, counters = workspace if split > 1 else (out, words)
+    if depth not in (0, 1, 2):
+        raise ValueError(f"run_sparse_mma: depth must be 0, 1 or 2, got {depth}")
+    m = x.shape[0]
+    tiles, split, run, out, parts, counters, fix_k = _setup("run_sparse_mma", x, words, n=n,
+                                                            tiles_per_slice=tiles_per_slice, row_blocks=row_blocks,
+                                                            warps=warps, workspace=workspace)
     _kernels().sparse_mma_kernel[(cdiv(n, run), split)](
         x.view(torch.int32), words, meta.view(torch.int32), parts, counters, out, m, n, tiles, split,
         x.stride(0) // 2, words.stride(0), meta.stride(0) // 4, out.stride(0),
-        KT=tiles_per_slice, ROW_BLOCKS=row_blocks, DEPTH=depth, PARTIAL=split > 1,
-        FIX_K=max(1, min(16, 4096 // run)), num_warps=warps)
+        KT=tiles_per_slice, ROW_BLOCKS=row_blocks, DEPTH=depth, PARTIAL=split > 1, FIX_K=fix_k, num_warps=warps)
+    return out
+
+
+def sparse_mma_w4_fits(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor | None, s: torch.Tensor,
+                       z: torch.Tensor | None, *, group: int) -> bool:
+    """2:4 + INT4 on sparse tensor cores: as :func:`sparse_mma_fits` for ``x`` and ``meta`` (here int16 words, as the
+    ``gemv`` path views them), kept values' codes ``(N, K / 4)`` readable as int16 (given as int32 words), groups
+    of a multiple of 64 original columns, 2-D scales and uint8 zero points or none."""
+    if meta is None or x.dtype != torch.bfloat16 or not 1 <= x.shape[0] <= MAX_M or x.stride(1) != 1:
+        return False
+    k = x.shape[1]
+    if k % TILE_K or group % 64 or x.stride(0) % 2 or x.data_ptr() % 4 or codes.stride(1) != 1 \
+            or codes.shape[1] * 16 != k or s.dim() != 2 or (z is not None and (z.dtype != torch.uint8 or z.dim() != 2)):
+        return False
+    if meta.dtype != torch.int16 or meta.dim() != 2 or meta.stride(1) != 1 or meta.shape[1] * 16 != k \
+            or meta.stride(0) % 2 or meta.data_ptr() % 4:
+        return False
+    return sparse_mma_possible(x.device)
+
+
+def run_sparse_mma_w4(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,
+                      *, n: int, group: int, tiles_per_slice: int, row_blocks: int, warps: int,
+                      workspace: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """2:4 + INT4 ``x @ densify(dequant(codes), meta)^T`` in bf16 (:func:`sparse_mma_w4_fits`; ``codes`` and ``meta``
+    as the ``gemv`` path views them: int32 and int16 words); slices, runs and workspace as :func:`run_sparse_mma`."""
+    m = x.shape[0]
+    tiles, split, run, out, parts, counters, fix_k = _setup("run_sparse_mma_w4", x, codes, n=n,
+                                                            tiles_per_slice=tiles_per_slice, row_blocks=row_blocks,
+                                                            warps=warps, workspace=workspace)
+    zz = z if z is not None else s
+    meta32 = meta.view(torch.int32)
+    _kernels().sparse_mma_w4_kernel[(cdiv(n, run), split)](
+        x.view(torch.int32), codes.view(torch.int16), meta32, s, zz, parts, counters, out, m, n, tiles, split,
+        x.stride(0) // 2, codes.stride(0) * 2, meta32.stride(0), s.stride(0), zz.stride(0), out.stride(0),
+        GROUP=group, HAS_ZEROS=z is not None, KT=tiles_per_slice, ROW_BLOCKS=row_blocks, PARTIAL=split > 1,
+        FIX_K=fix_k, num_warps=warps)
     return out

@@ -34,6 +34,17 @@ the weight rows need no shuffling: the format of ``compress.nm`` is already the 
 - Slices of ``K`` meet as in the x-stationary kernels: fp32 partials in the device workspace, summed in slice order
   by the run's last program ([Note: split-K fix-up] in ``_word``).
 
+[Note: 2:4 + INT4 on sparse tensor cores] ``sparse_mma_w4_kernel`` runs the same schedule on INT4 kept values
+(``compress`` stores a block's two codes in one byte, first kept value in the low nibble). Lane ``4g + t``'s stored
+blocks ``2t`` and ``2t + 1`` of a tile are one 16-bit load per row; the rows ``g`` and ``g + 8`` are joined into one
+register, and each block becomes its ``A`` register in four instructions: a byte permute isolates the byte, a
+multiply by ``0x1001`` copies its high nibble to bit 16, a LOP3 masks both nibbles into ``0x4300`` (the bf16 pair
+``(128 + code, 128 + code')``) and one ``fma.bf16x2`` by 1 minus ``128 + zero`` makes it ``code - zero``, exact. The
+group's scale (a pair of tiles lies in one group: groups of a multiple of 64 original columns) multiplies the pair's
+fp32 sums. On an H100 (RESULTS, kernels runs 77-78) it runs 1.59-1.70x of bf16 at four rows where the split-K path
+ran 0.73-0.76x, but at one row 1.76-1.95x against the x-stationary kernel's 2.01-2.09x: its weight bytes per warp
+are a quarter of plain 2:4's and its loads 2 bytes wide, so the tuner keeps the x-stationary kernel there.
+
 Tiles past ``K`` and rows past ``N`` read zero values with a valid position pair (0, 1), since an invalid one is
 undefined behaviour for the instruction. Positions must be sorted and distinct within a block, as ``compress.nm``
 writes them (the x-stationary kernel assumes the same).
@@ -66,6 +77,32 @@ _ASM_PAIR = gl.constexpr("{\n.reg .f32 d<4>, z;\nmov.f32 z, 0f00000000;\n"
 _ASM_IO = gl.constexpr(",".join(["=f"] * 8 + ["r"] * 24))
 # the metadata register from the two rows' stored words (after the nibble fold below): bytes 0 and 2 of each
 _ASM_META = gl.constexpr("prmt.b32 $0, $1, $2, 0x6420;")
+
+
+def _w4_pair_asm() -> str:
+    """2:4 + INT4, one pair of tiles: ``$4`` / ``$5`` the even / odd tile's codes, rows ``g`` (low 16 bits) and
+    ``g + 8`` (high), byte ``k`` of each half a block (its two kept codes, first in the low nibble); ``$6``-``$13`` the
+    four ``B`` registers of both tiles at ``6 + 2i + tile``; ``$14`` the metadata; ``$16``-``$19`` ``-(128 + zero)``
+    in both bf16 halves, rows ``g`` (``$16 + tile``) and ``g + 8`` (``$18 + tile``). A block's byte becomes the bf16
+    pair ``(128 + code, 128 + code')`` (the byte, the byte times 4096 for its high nibble, masked into 0x4300) and
+    then ``code - zero`` exactly. Out: ``$0``, ``$1`` row ``g`` times rows ``2t``, ``2t + 1`` of ``x``; ``$2``, ``$3``
+    row ``g + 8``."""
+    lines = ["{", ".reg .b32 zr, one, y, a<4>;", ".reg .f32 e<4>, z;", "mov.b32 zr, 0;", "mov.b32 one, 0x3F803F80;",
+             "mov.f32 z, 0f00000000;"]
+    for tile in range(2):
+        # A register: (row g, block 2t), (row g + 8, block 2t), (row g, block 2t + 1), (row g + 8, block 2t + 1)
+        for reg, (byte, nz) in enumerate(((0, 16), (2, 18), (1, 16), (3, 18))):
+            lines += [f"prmt.b32 y, ${4 + tile}, zr, 0x444{byte};", "mul.lo.u32 y, y, 0x1001;",
+                      f"lop3.b32 y, y, 0x000F000F, 0x43004300, 0xEA;", f"fma.rn.bf16x2 a{reg}, y, one, ${nz + tile};"]
+        acc = "z, z, z, z" if tile == 0 else "e0, e1, e2, e3"
+        lines.append(f"{_MMA} {{e0, e1, e2, e3}}, {{a0, a1, a2, a3}}, {{${6 + tile}, ${8 + tile}, ${10 + tile}, "
+                     f"${12 + tile}}}, {{{acc}}}, $14, 0x{tile};")
+    lines += ["mov.f32 $0, e0;", "mov.f32 $1, e1;", "mov.f32 $2, e2;", "mov.f32 $3, e3;", "}"]
+    return "\n".join(lines)
+
+
+_ASM_W4_PAIR = gl.constexpr(_w4_pair_asm())
+_ASM_W4_IO = gl.constexpr(",".join(["=f"] * 4 + ["r"] * 16))
 _VALID = gl.constexpr(0x44444444)  # eight blocks whose kept positions are (0, 1): what masked metadata reads
 
 
@@ -98,22 +135,38 @@ def _along3(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
+def _meta_index(pid_k, TILES, KT: gl.constexpr, num_warps: gl.constexpr, M3: gl.constexpr):
+    """Where lane ``4g + t`` reads its metadata registers: for the tile ``2p + t // 2`` of each pair ``p``, logical
+    blocks 0-3 (t even: stored blocks 0, 2, 4, 6) or 4-7 (t odd: 1, 3, 5, 7) of rows ``g`` (low half) and ``g + 8``
+    (high half). ``(row, tile, live, shift)`` in the layout ``M3`` (one value per pair of tiles)."""
+    lane3 = _along3(32, 1, M3)
+    t3 = lane3 % 4
+    m_tile = pid_k * KT + 2 * _along3(KT // 2, 2, M3) + t3 // 2
+    return 16 * _along3(num_warps, 0, M3) + lane3 // 4, m_tile, m_tile < TILES, 4 * (t3 % 2)
+
+
+@gluon.jit
+def _meta_regs(meta_ptr, rows, m_row, m_col, m_live, m_shift, N, stride_mn):
+    """The metadata registers of a block's pairs of tiles from the stored words of rows ``g`` and ``g + 8`` (rows
+    from ``N`` on read valid positions): the four blocks this lane holds are every other one (the even or the odd,
+    ``m_shift`` 0 or 4), their nibbles folded into bytes 0 and 2, then those bytes of both rows joined."""
+    r0 = rows + m_row
+    lo = gl.load(meta_ptr + r0 * stride_mn + m_col, mask=(r0 < N) & m_live, other=_VALID)
+    hi = gl.load(meta_ptr + (r0 + 8) * stride_mn + m_col, mask=(r0 + 8 < N) & m_live, other=_VALID)
+    lo = (lo >> m_shift) & 0x0F0F0F0F
+    hi = (hi >> m_shift) & 0x0F0F0F0F
+    return gl.inline_asm_elementwise(_ASM_META, "=r,r,r", [lo | (lo >> 4), hi | (hi >> 4)], dtype=gl.int32,
+                                     is_pure=True, pack=1)
+
+
+@gluon.jit
 def _load_rows(w_ptr, meta_ptr, rows, a_row, a_col, a_live, m_row, m_col, m_live, m_shift, N, stride_wn,
                stride_mn):
     """A block's value words (the ``A`` fragments of every tile of the slice) and the metadata registers of every
     pair of tiles; rows from ``N`` on read zero values and valid positions."""
     ra = rows + a_row
     a = gl.load(w_ptr + ra * stride_wn + a_col, mask=(ra < N) & a_live, other=0)
-    r0 = rows + m_row
-    lo = gl.load(meta_ptr + r0 * stride_mn + m_col, mask=(r0 < N) & m_live, other=_VALID)
-    hi = gl.load(meta_ptr + (r0 + 8) * stride_mn + m_col, mask=(r0 + 8 < N) & m_live, other=_VALID)
-    # the four blocks this lane holds are every other one (the even or the odd, ``m_shift`` 0 or 4): their nibbles
-    # folded into bytes 0 and 2, then those bytes of both rows joined
-    lo = (lo >> m_shift) & 0x0F0F0F0F
-    hi = (hi >> m_shift) & 0x0F0F0F0F
-    e = gl.inline_asm_elementwise(_ASM_META, "=r,r,r", [lo | (lo >> 4), hi | (hi >> 4)], dtype=gl.int32,
-                                  is_pure=True, pack=1)
-    return a, e
+    return a, _meta_regs(meta_ptr, rows, m_row, m_col, m_live, m_shift, N, stride_mn)
 
 
 @gluon.jit
@@ -153,14 +206,7 @@ def sparse_mma_kernel(x_ptr, w_ptr, meta_ptr, part_ptr, count_ptr, out_ptr, M, N
     a_row = 16 * warp + g + 8 * ((j // 2) % 2)  # not (r // 2): Triton then sees no 8-byte pairs
     a_col = tile * 8 + 2 * t + j % 2
 
-    # metadata registers: lane 4g + t holds, for tile 2p + t // 2, logical blocks 0-3 (t even) or 4-7 (t odd) of rows
-    # g (low half) and g + 8 (high half): stored blocks 0, 2, 4, 6 or 1, 3, 5, 7
-    lane3 = _along3(32, 1, M3)
-    t3 = lane3 % 4
-    m_tile = pid_k * KT + 2 * _along3(KT // 2, 2, M3) + t3 // 2
-    m_row = 16 * _along3(num_warps, 0, M3) + lane3 // 4
-    m_shift = 4 * (t3 % 2)
-    m_live = m_tile < TILES
+    m_row, m_tile, m_live, m_shift = _meta_index(pid_k, TILES, KT, num_warps, M3)
 
     # where the sums go: slot j of lane 4g + t is weight row g + 8 (j // 2), row 2t + j % 2 of x (slots 4-7 unused)
     lane_o = _along3(32, 1, O3)
@@ -197,32 +243,128 @@ def sparse_mma_kernel(x_ptr, w_ptr, meta_ptr, part_ptr, count_ptr, out_ptr, M, N
         d = gl.inline_asm_elementwise(_ASM_PAIR, _ASM_IO, [a, xb, e4], dtype=gl.float32, is_pure=True, pack=8)
         acc = gl.sum(d, axis=2)  # the pairs of tiles, in registers
         row = rows + o_row
-        mask = o_live & (row < N)
-        if PARTIAL:
-            gl.store(part_ptr + (o_m * SPLIT + pid_k) * N + row, acc, mask=mask)
+        _store_sums(acc, out_ptr, part_ptr, row, o_m, o_live & (row < N), N, SPLIT, pid_k, stride_om, PARTIAL)
+    if PARTIAL:
+        finish_run(part_ptr, count_ptr, out_ptr, pid_r, row0, M, N, SPLIT, stride_om, ROWS * ROW_BLOCKS, FIX_K,
+                   num_warps)
+
+
+@gluon.jit
+def _store_sums(acc, out_ptr, part_ptr, row, o_m, mask, N, SPLIT, pid_k, stride_om, PARTIAL: gl.constexpr):
+    """A block's sums: with one slice the output itself (in its dtype), else this slice's fp32 partials."""
+    if PARTIAL:
+        gl.store(part_ptr + (o_m * SPLIT + pid_k) * N + row, acc, mask=mask)
+    else:
+        gl.store(out_ptr + o_m * stride_om + row, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def finish_run(part_ptr, count_ptr, out_ptr, pid_r, row0, M, N, SPLIT, stride_om, RUN: gl.constexpr,
+               FIX_K: gl.constexpr, num_warps: gl.constexpr):
+    """After a program stored its partials (``(M, SPLIT, N)`` fp32) for rows ``row0 .. row0 + RUN - 1``: count it
+    done on the run's counter; the run's last slice sums the partials in slice order into the output and resets the
+    counter ([Note: split-K fix-up] in ``_word``). Two batches of ``FIX_K`` slices are in flight before either is
+    added."""
+    _cta_barrier()
+    counter = count_ptr + pid_r
+    done = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if done == SPLIT - 1:
+        fix_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[1, 32],
+                                               warps_per_cta=[1, num_warps], order=[1, 0])
+        run = row0 + gl.arange(0, RUN, layout=gl.SliceLayout(0, fix_l))[None, :]
+        kc = gl.arange(0, FIX_K, layout=gl.SliceLayout(1, fix_l))[:, None]
+        for m in range(M):
+            total = gl.zeros([RUN], gl.float32, gl.SliceLayout(0, fix_l))
+            for k0 in range(0, SPLIT, 2 * FIX_K):
+                s0 = k0 + kc
+                s1 = k0 + FIX_K + kc
+                first = gl.load(part_ptr + (m * SPLIT + s0) * N + run, mask=(s0 < SPLIT) & (run < N), other=0.0,
+                                cache_modifier=".cg")
+                second = gl.load(part_ptr + (m * SPLIT + s1) * N + run, mask=(s1 < SPLIT) & (run < N), other=0.0,
+                                 cache_modifier=".cg")
+                total += gl.sum(first, axis=0)
+                total += gl.sum(second, axis=0)
+            orow = row0 + gl.arange(0, RUN, layout=gl.SliceLayout(0, fix_l))
+            gl.store(out_ptr + m * stride_om + orow, total.to(out_ptr.dtype.element_ty), mask=orow < N)
+        gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+@gluon.jit
+def sparse_mma_w4_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_ptr, M, N, TILES, SPLIT,
+                         stride_xm, stride_wn, stride_mn, stride_sn, stride_zn, stride_om, GROUP: gl.constexpr,
+                         HAS_ZEROS: gl.constexpr, KT: gl.constexpr, ROW_BLOCKS: gl.constexpr, PARTIAL: gl.constexpr,
+                         FIX_K: gl.constexpr, num_warps: gl.constexpr):
+    """2:4 + INT4: ``out[M, N] = x @ densify(dequant(codes), meta)^T`` for ``M <= 8`` ([Note: 2:4 GEMV on sparse
+    tensor cores], [Note: 2:4 + INT4 on sparse tensor cores]).
+
+    ``w_ptr``: the kept values' codes (N, K / 4) uint8 read as int16 (two blocks each); ``s_ptr`` / ``z_ptr``: scales
+    and zero points (uint8; ``HAS_ZEROS`` false: 8) per (row, group of ``GROUP`` original columns, a multiple of 64);
+    the rest as ``sparse_mma_kernel`` with nothing loaded ahead."""
+    L4: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, KT // 2, 2], threads_per_warp=[1, 32, 1, 1],
+                                        warps_per_cta=[num_warps, 1, 1, 1], order=[3, 2, 1, 0])
+    M3: gl.constexpr = gl.SliceLayout(3, L4)  # per pair of tiles
+    O3: gl.constexpr = gl.SliceLayout(2, L4)  # per accumulator slot k: row 2t + k of x
+    ROWS: gl.constexpr = 16 * num_warps
+    pid_r = gl.program_id(0)
+    pid_k = gl.program_id(1)
+
+    # axis 2: the pair of tiles p, axis 3 the tile of the pair
+    warp = _along4(num_warps, 0, L4)
+    lane = _along4(32, 1, L4)
+    g = lane // 4
+    t = lane % 4
+    tile = pid_k * KT + 2 * _along4(KT // 2, 2, L4) + _along4(2, 3, L4)
+    live = tile < TILES
+    xmask = (g < M) & live
+    xrow = x_ptr + g * stride_xm + tile * 16 + t % 2
+    # B register i: logical block t // 2 + 2i, stored block 2 (L % 4) + L // 4 ([Note: block order])
+    b0 = gl.load(xrow + 2 * (2 * ((t // 2) % 4) + (t // 2) // 4), mask=xmask, other=0)
+    b1 = gl.load(xrow + 2 * (2 * ((t // 2 + 2) % 4) + (t // 2 + 2) // 4), mask=xmask, other=0)
+    b2 = gl.load(xrow + 2 * (2 * ((t // 2 + 4) % 4) + (t // 2 + 4) // 4), mask=xmask, other=0)
+    b3 = gl.load(xrow + 2 * (2 * ((t // 2 + 6) % 4) + (t // 2 + 6) // 4), mask=xmask, other=0)
+    a_row = 16 * warp + g
+    a_col = tile * 4 + t  # the int16 holding stored blocks 2t and 2t + 1 of the tile
+
+    m_row, m_tile, m_live, m_shift = _meta_index(pid_k, TILES, KT, num_warps, M3)
+    # the pair's group: both tiles lie in it (GROUP a multiple of 64)
+    s_col = (pid_k * KT + 2 * _along3(KT // 2, 2, M3)) * 32 // GROUP
+    s_row = m_row
+    z_col = tile * 32 // GROUP
+
+    lane_o = _along3(32, 1, O3)
+    k_o = _along3(2, 2, O3)
+    o_row = 16 * _along3(num_warps, 0, O3) + lane_o // 4
+    o_m = 2 * (lane_o % 4) + k_o
+    o_live = o_m < M
+
+    row0 = pid_r * (ROWS * ROW_BLOCKS)
+    for b in range(ROW_BLOCKS):
+        rows = row0 + b * ROWS
+        ra = rows + a_row
+        lo = gl.load(w_ptr + ra * stride_wn + a_col, mask=(ra < N) & live, other=0).to(gl.int32) & 0xFFFF
+        hi = gl.load(w_ptr + (ra + 8) * stride_wn + a_col, mask=(ra + 8 < N) & live, other=0).to(gl.int32)
+        codes = lo | (hi << 16)
+        e = gl.expand_dims(_meta_regs(meta_ptr, rows, m_row, m_tile, m_live, m_shift, N, stride_mn), 3)
+        if HAS_ZEROS:
+            z0 = gl.load(z_ptr + ra * stride_zn + z_col, mask=(ra < N) & live, other=0).to(gl.int32)
+            z1 = gl.load(z_ptr + (ra + 8) * stride_zn + z_col, mask=(ra + 8 < N) & live, other=0).to(gl.int32)
         else:
-            gl.store(out_ptr + o_m * stride_om + row, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    if PARTIAL:  # [Note: split-K fix-up] in _word: the run's last slice sums the partials in slice order
-        _cta_barrier()
-        counter = count_ptr + pid_r
-        done = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if done == SPLIT - 1:
-            RUN: gl.constexpr = ROWS * ROW_BLOCKS
-            fix_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[1, 32],
-                                                   warps_per_cta=[1, num_warps], order=[1, 0])
-            run = row0 + gl.arange(0, RUN, layout=gl.SliceLayout(0, fix_l))[None, :]
-            kc = gl.arange(0, FIX_K, layout=gl.SliceLayout(1, fix_l))[:, None]
-            for m in range(M):
-                total = gl.zeros([RUN], gl.float32, gl.SliceLayout(0, fix_l))
-                for k0 in range(0, SPLIT, 2 * FIX_K):  # two batches of slices in flight before adding either
-                    s0 = k0 + kc
-                    s1 = k0 + FIX_K + kc
-                    first = gl.load(part_ptr + (m * SPLIT + s0) * N + run, mask=(s0 < SPLIT) & (run < N), other=0.0,
-                                    cache_modifier=".cg")
-                    second = gl.load(part_ptr + (m * SPLIT + s1) * N + run, mask=(s1 < SPLIT) & (run < N),
-                                     other=0.0, cache_modifier=".cg")
-                    total += gl.sum(first, axis=0)
-                    total += gl.sum(second, axis=0)
-                orow = row0 + gl.arange(0, RUN, layout=gl.SliceLayout(0, fix_l))
-                gl.store(out_ptr + m * stride_om + orow, total.to(out_ptr.dtype.element_ty), mask=orow < N)
-            gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+            z0 = gl.zeros_like(codes) + 8
+            z1 = z0
+        nz0 = (z0 | 0xC300) * 0x10001  # -(128 + zero) in both halves
+        nz1 = (z1 | 0xC300) * 0x10001
+        sr = rows + s_row
+        s0 = gl.load(s_ptr + sr * stride_sn + s_col, mask=(sr < N) & m_live, other=0.0).to(gl.float32)
+        s1 = gl.load(s_ptr + (sr + 8) * stride_sn + s_col, mask=(sr + 8 < N) & m_live, other=0.0).to(gl.float32)
+        d0, d1 = gl.inline_asm_elementwise(_ASM_W4_PAIR, _ASM_W4_IO,
+                                           [codes, b0, b1, b2, b3, gl.broadcast(e, codes)[0], nz0, nz1],
+                                           dtype=(gl.float32, gl.float32), is_pure=True, pack=2)
+        acc0 = gl.sum(d0 * gl.expand_dims(s0, 3), axis=2)  # (W, 32, 2): row g times rows 2t, 2t + 1 of x
+        acc1 = gl.sum(d1 * gl.expand_dims(s1, 3), axis=2)  # row g + 8
+        row = rows + o_row
+        _store_sums(acc0, out_ptr, part_ptr, row, o_m, o_live & (row < N), N, SPLIT, pid_k, stride_om, PARTIAL)
+        _store_sums(acc1, out_ptr, part_ptr, row + 8, o_m, o_live & (row + 8 < N), N, SPLIT, pid_k, stride_om,
+                    PARTIAL)
+    if PARTIAL:
+        finish_run(part_ptr, count_ptr, out_ptr, pid_r, row0, M, N, SPLIT, stride_om, ROWS * ROW_BLOCKS, FIX_K,
+                   num_warps)

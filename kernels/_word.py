@@ -513,10 +513,10 @@ def sparse_mma_candidates(m: int, n: int, k: int, device: torch.device) -> list[
     return out
 
 
-def run_sparse_mma(x, words, meta, c: WordConfig, *, n: int) -> torch.Tensor | None:
-    """The 2:4 GEMV on sparse tensor cores with config ``c``; ``None`` where its workspace cannot be made now or is
-    too small for these rows (as :func:`run_stationary`)."""
-    from ._sparse_mma import run_sparse_mma as run
+def run_sparse_mma(x, words, meta, c: WordConfig, *, n: int, s=None, z=None, group: int = 0) -> torch.Tensor | None:
+    """The 2:4 GEMV on sparse tensor cores with config ``c`` (2:4 + INT4 where ``s``, the scales, are given); ``None``
+    where its workspace cannot be made now or is too small for these rows (as :func:`run_stationary`)."""
+    from ._sparse_mma import run_sparse_mma as run, run_sparse_mma_w4
 
     m = x.shape[0]
     ws = None
@@ -524,6 +524,9 @@ def run_sparse_mma(x, words, meta, c: WordConfig, *, n: int) -> torch.Tensor | N
         ws = _stationary_workspace(x.device)
         if ws is None or not _workspace_fits(m * c.split_k * n, cdiv(n, c.block_n * c.row_blocks)):
             return None
+    if s is not None:
+        return run_sparse_mma_w4(x, words, meta, s, z, n=n, group=group, tiles_per_slice=c.block_w // 8,
+                                 row_blocks=c.row_blocks, warps=c.warps, workspace=ws)
     return run(x, words, meta, n=n, tiles_per_slice=c.block_w // 8, row_blocks=c.row_blocks, warps=c.warps,
                depth=c.prefetch, workspace=ws)
 
@@ -588,7 +591,8 @@ def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
 
     def launch(c: WordConfig) -> torch.Tensor:
         if c.sparse_mma:
-            out = run_sparse_mma(x, words, meta, c, n=n)
+            w4 = fmt == FMT_S24W4
+            out = run_sparse_mma(x, words, meta, c, n=n, s=s if w4 else None, z=z, group=group)
             if out is not None:
                 return out
             c = tiles[0]  # no workspace now or too small: the tile kernel
@@ -619,6 +623,11 @@ def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
 
         if sparse_mma_fits(x, words, meta):
             stationary = stationary + sparse_mma_candidates(m, n, k, x.device)
+    if fmt == FMT_S24W4:
+        from ._sparse_mma import sparse_mma_w4_fits
+
+        if sparse_mma_w4_fits(x, words, meta, s, z, group=group):  # nothing loaded ahead: the kernel has no prefetch
+            stationary = stationary + [c for c in sparse_mma_candidates(m, n, k, x.device) if c.prefetch == 0]
     return launch(_pick(key, tiles + stationary, launch))
 
 

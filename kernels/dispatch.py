@@ -14,10 +14,10 @@ pipelined wdot] in ``_pipelined_kernels``) it beats dequantize + cuBLAS up to 10
 8192x8192: 0.77x against 0.58x at 512 rows, 0.75x against 0.73x at 1024, 0.69x against 0.82x
 at 2048; kernels runs 50-51), so INT4 goes dense from ``pipelined_dense_min_m`` rows there;
 INT8 too, on the same kernel (bf16 / fp16 activations; 0.64-0.80x at 512 rows against dense
-0.55x, kernels runs 51 and 64). Plain 2:4 in bf16 keeps ``gemv`` up to ``sparse_gemv_max_m`` rows
-where its GEMV on sparse tensor cores runs ([Note: 2:4 GEMV on sparse tensor cores] in
-``_sparse_mma_kernels``): the rows of ``x`` are that MMA's 8 columns, so 1 to 8 rows read the
-weights once.
+0.55x, kernels runs 51 and 64). 2:4, plain or + INT4, with bf16 ``x`` keeps ``gemv`` up to
+``sparse_gemv_max_m`` rows where its GEMV on sparse tensor cores runs ([Note: 2:4 GEMV on sparse
+tensor cores] in ``_sparse_mma_kernels``): the rows of ``x`` are that MMA's 8 columns, so 1 to 8
+rows read the weights once.
 Shapes the word kernels cannot read, and the 2:4 formats above ``gemv_max_m``, use
 the generic skeleton: split-K keeps the GPU full when the output has few tiles. At
 medium ``M`` a tiled GEMM still saves bytes. At large ``M`` the matmul is compute-bound
@@ -48,7 +48,7 @@ class KernelPolicy:
                                                  ("sparse24_w4a16", 128))
     semi_min_m: int = 128
     pipelined_dense_min_m: int = 1024  # INT4 / INT8 where the pipelined kernel runs ([Note: crossover])
-    sparse_gemv_max_m: int = 8  # plain 2:4 keeps gemv up to here where it runs on sparse tensor cores
+    sparse_gemv_max_m: int = 8  # 2:4 (plain, + INT4) keeps gemv up to here where it runs on sparse tensor cores
     force: str | None = None
 
     def __post_init__(self) -> None:
@@ -64,7 +64,7 @@ class KernelPolicy:
         ``_word.words_fit_groups``); ``semi``: whether plain 2:4 can run on sparse tensor cores
         (``semi.semi_supported``); ``wdot``: whether the tensor-core word kernel has a tile for the groups;
         ``pipelined``: whether INT4 / INT8 can take the pipelined kernel (``_pipelined.pipelined_fits``);
-        ``sparse_mma``: whether plain 2:4 can take the GEMV on sparse tensor cores (``_sparse_mma.sparse_mma_fits``)."""
+        ``sparse_mma``: whether 2:4 (plain or + INT4) can take the GEMV on sparse tensor cores (``_sparse_mma``)."""
         forced = self.force or os.environ.get("ZSPEED_KERNEL_PATH") or None
         if forced:
             if forced not in PATH_NAMES:
@@ -72,7 +72,7 @@ class KernelPolicy:
             return forced
         if words and m <= self.gemv_max_m:
             return "gemv"
-        if words and sparse_mma and fmt == "sparse24" and m <= self.sparse_gemv_max_m:
+        if words and sparse_mma and fmt in ("sparse24", "sparse24_w4a16") and m <= self.sparse_gemv_max_m:
             return "gemv"
         if semi and fmt == "sparse24" and m >= self.semi_min_m:
             return "semi"

@@ -53,10 +53,27 @@ def test_fits_bf16_x_of_1_to_8_rows_and_aligned_operands(monkeypatch):
     assert not _sparse_mma.sparse_mma_fits(x, words, torch.zeros(64, 33, dtype=torch.uint8)[:, 1:])  # 1 byte in
 
 
+def test_fits_2_4_int4_with_groups_of_64_columns_and_int16_metadata(monkeypatch):
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    codes = torch.zeros(64, 16, dtype=torch.int32)  # (N, K / 4) bytes as int32 words
+    meta = torch.zeros(64, 16, dtype=torch.int16)  # (N, K / 8) bytes as int16, as the gemv path views them
+    s = torch.ones(64, 2, dtype=torch.bfloat16)
+    assert not _sparse_mma.sparse_mma_w4_fits(x, codes, meta, s, None, group=128)  # the CPU
+    monkeypatch.setattr(_sparse_mma, "sparse_mma_possible", lambda device: True)
+    assert _sparse_mma.sparse_mma_w4_fits(x, codes, meta, s, None, group=128)
+    assert _sparse_mma.sparse_mma_w4_fits(x, codes, meta, s, torch.zeros(64, 2, dtype=torch.uint8), group=128)
+    assert not _sparse_mma.sparse_mma_w4_fits(x, codes, meta, s, torch.zeros(64, 2), group=128)  # zeros not uint8
+    assert not _sparse_mma.sparse_mma_w4_fits(x, codes, meta, s, None, group=32)  # a pair of tiles spans groups
+    assert not _sparse_mma.sparse_mma_w4_fits(x, codes, meta.view(torch.uint8), s, None, group=128)
+    assert not _sparse_mma.sparse_mma_w4_fits(torch.zeros(9, 256, dtype=torch.bfloat16), codes, meta, s, None,
+                                              group=128)
+
+
 def test_policy_keeps_2_4_on_gemv_up_to_8_rows_only_where_it_runs():
     policy = KernelPolicy()
     for m in (2, 4, 8):
         assert policy.path("sparse24", m, sparse_mma=True) == "gemv"
+        assert policy.path("sparse24_w4a16", m, sparse_mma=True) == "gemv"
         assert policy.path("sparse24", m, sparse_mma=False) == "splitk"
         assert policy.path("w4a16", m, sparse_mma=True) == "wdot"  # other formats: unchanged
     assert policy.path("sparse24", 9, sparse_mma=True) == "splitk"
@@ -84,22 +101,25 @@ from triton.runtime.jit import mangle_type
 from triton.experimental.gluon._runtime import GluonASTSource
 from zspeed.kernels import _sparse_mma_kernels as S
 
-opts = json.loads(sys.argv[1])
+kernel_name, const = sys.argv[1], json.loads(sys.argv[2])
+fn = getattr(S, kernel_name)
+w4 = kernel_name == "sparse_mma_w4_kernel"  # 2:4 + INT4: codes read as int16, scales and zero points
 n, k = 8192, 8192
-args = dict(x_ptr=torch.empty(1, dtype=torch.int32), w_ptr=torch.empty(1, dtype=torch.int32),
-            meta_ptr=torch.empty(1, dtype=torch.int32), part_ptr=torch.empty(1, dtype=torch.float32),
-            count_ptr=torch.empty(1, dtype=torch.int32), out_ptr=torch.empty(1, dtype=torch.bfloat16),
-            M=1, N=n, TILES=k // 32, SPLIT=4, stride_xm=k // 2, stride_wn=k // 4, stride_mn=k // 32, stride_om=n)
-names = list(args)
-sig = {name: mangle_type(v) for name, v in args.items()}
-const = dict(KT=opts["KT"], ROW_BLOCKS=4, DEPTH=opts["DEPTH"], PARTIAL=True, FIX_K=4, num_warps=opts["W"])
-sig.update({name: "constexpr" for name in const})
-aligned = ["x_ptr", "w_ptr", "meta_ptr", "part_ptr", "count_ptr", "out_ptr", "stride_xm", "stride_wn", "stride_mn",
-           "stride_om", "N"]  # as the JIT specializes them at a real launch (multiples of 16)
-attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-kernel = triton.compile(GluonASTSource(S.sparse_mma_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                        options={"num_warps": opts["W"]})
-path = sys.argv[2]
+values = dict(x_ptr=torch.empty(1, dtype=torch.int32), w_ptr=torch.empty(1, dtype=torch.int16 if w4 else torch.int32),
+              meta_ptr=torch.empty(1, dtype=torch.int32), s_ptr=torch.empty(1, dtype=torch.bfloat16),
+              z_ptr=torch.empty(1, dtype=torch.uint8), part_ptr=torch.empty(1, dtype=torch.float32),
+              count_ptr=torch.empty(1, dtype=torch.int32), out_ptr=torch.empty(1, dtype=torch.bfloat16),
+              M=1, N=n, TILES=k // 32, SPLIT=4, stride_xm=k // 2, stride_wn=k // 8 if w4 else k // 4,
+              stride_mn=k // 32, stride_sn=k // 128, stride_zn=k // 128, stride_om=n)
+names = [a for a in fn.arg_names if a not in const]
+sig = {a: mangle_type(values[a]) for a in names}
+sig.update({a: "constexpr" for a in const})
+# pointers and strides as the JIT specializes them at a real launch (multiples of 16)
+attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in names
+         if a.endswith("_ptr") or a.startswith("stride") or a == "N"}
+kernel = triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": const["num_warps"]})
+path = sys.argv[3]
 open(path, "wb").write(kernel.asm["cubin"])
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
@@ -111,19 +131,34 @@ print(json.dumps({"ops": ops, "stack": int(re.search(r"STACK:(\d+)", res).group(
 '''
 
 
-@pytest.mark.parametrize("kt,warps,depth", [(16, 4, 0), (8, 8, 1), (8, 4, 2)])
-def test_compiles_for_hopper_to_one_sparse_mma_per_tile(tmp_path, kt, warps, depth):
+def _compiled(tmp_path: Path, kernel: str, **const) -> dict:
     if _sparse_mma._kernels() is None:
         pytest.skip("this triton has no Gluon")
-    opts = {"KT": kt, "W": warps, "DEPTH": depth}
-    got = run_compile_script(_COMPILE, [json.dumps(opts), str(tmp_path / "sparse_mma.cubin")], tmp_path)
+    const = {"ROW_BLOCKS": 4, "PARTIAL": True, "FIX_K": 4, **const}
+    return run_compile_script(_COMPILE, [kernel, json.dumps(const), str(tmp_path / f"{kernel}.cubin")], tmp_path)
+
+
+def _one_sparse_mma_per_tile(got: dict, kt: int) -> None:
     mmas = [rest for op, rest in got["ops"] if op.startswith("HMMA.SP.16832.F32.BF16")]
     assert len(mmas) == kt  # one row block per loop iteration: one mma.sp per 32-column tile
     selectors = [re.search(r"(0x[01])\s*$", rest.strip()).group(1) for rest in mmas]
     assert selectors.count("0x0") == selectors.count("0x1") == kt // 2  # a metadata register serves two tiles
+    assert got["stack"] == 0 and got["local"] == 0 and got["regs"] <= 255
+    assert not any(op.startswith(("LDL", "STL")) for op, _ in got["ops"])
+
+
+@pytest.mark.parametrize("kt,warps,zeros", [(16, 4, True), (8, 8, False)])
+def test_2_4_int4_compiles_for_hopper_to_one_sparse_mma_per_tile(tmp_path, kt, warps, zeros):
+    got = _compiled(tmp_path, "sparse_mma_w4_kernel", GROUP=128, HAS_ZEROS=zeros, KT=kt, num_warps=warps)
+    _one_sparse_mma_per_tile(got, kt)
+    # each kept pair becomes code - zero exactly: one bf16 subtraction (fma by 1) per A register, 4 per tile
+    assert sum(op.startswith(("HADD2.BF16", "HFMA2.BF16")) for op, _ in got["ops"]) == 4 * kt
+
+
+@pytest.mark.parametrize("kt,warps,depth", [(16, 4, 0), (8, 8, 1), (8, 4, 2)])
+def test_compiles_for_hopper_to_one_sparse_mma_per_tile(tmp_path, kt, warps, depth):
+    got = _compiled(tmp_path, "sparse_mma_kernel", KT=kt, DEPTH=depth, num_warps=warps)
+    _one_sparse_mma_per_tile(got, kt)
     loads = [op for op, _ in got["ops"] if op.startswith("LDG")]
     # the value words: two 8-byte loads per tile (rows g and g + 8) for each block loaded (prologue + loop)
     assert loads.count("LDG.E.64") == 2 * kt * (depth + 1)
-    assert got["stack"] == 0 and got["local"] == 0
-    assert not any(op.startswith(("LDL", "STL")) for op, _ in got["ops"])
-    assert got["regs"] <= 255
