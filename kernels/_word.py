@@ -12,7 +12,9 @@ Two paths, both for weights whose packed rows can be read as int32 words
   (``_stationary_kernels``, [Note: x-stationary GEMV]): one program per (row of
   ``x``, slice of ``K``, run of weight rows), its slice of ``x`` held in registers
   while weight rows stream past; slices meet in one launch. For INT4 also with the
-  weight words copied by TMA ([Note: TMA weight stream]).
+  weight words copied by TMA ([Note: TMA weight stream]). For 2:4 (plain, and + INT4)
+  with bf16 ``x`` also on sparse tensor cores, 1 to 8 rows at once ([Note: 2:4 GEMV on
+  sparse tensor cores] in ``_sparse_mma_kernels``); plain 2:4 is tuned over those alone.
 - ``wdot`` (INT8 / INT4, more rows), on tensor cores, two kernels tuned against each
   other: ``tl.dot`` per field plane (``_word_kernels``), and one ``tl.dot`` of full depth
   per tile, either orientation (``_wmma_kernels``, [Note: full-depth wdot]).
@@ -621,8 +623,9 @@ def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
     if fmt == FMT_S24:
         from ._sparse_mma import sparse_mma_fits
 
-        if sparse_mma_fits(x, words, meta):
-            stationary = stationary + sparse_mma_candidates(m, n, k, x.device)
+        mma = sparse_mma_fits(x, words, meta) and sparse_mma_candidates(m, n, k, x.device)
+        if mma:  # it beat the CUDA-core kernels at every shape and 1-8 rows (kernels runs 66-73): tune it alone
+            return launch(_pick(key, mma, launch))
     if fmt == FMT_S24W4:
         from ._sparse_mma import sparse_mma_w4_fits
 

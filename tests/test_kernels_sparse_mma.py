@@ -81,6 +81,36 @@ def test_policy_keeps_2_4_on_gemv_up_to_8_rows_only_where_it_runs():
     assert KernelPolicy(sparse_gemv_max_m=1).path("sparse24", 4, sparse_mma=True) == "splitk"
 
 
+def test_gemv_tunes_plain_2_4_on_sparse_tensor_cores_alone_and_2_4_int4_beside_the_others(monkeypatch):
+    monkeypatch.setattr(_word, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(_sparse_mma, "sparse_mma_possible", lambda device: True)
+    offered = []
+
+    class Picked(Exception):
+        pass
+
+    def pick(key, candidates, launch):
+        offered.append(candidates)
+        raise Picked
+
+    monkeypatch.setattr(_word, "_pick", pick)
+    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    meta = torch.zeros(64, 32, dtype=torch.uint8)
+    values = torch.zeros(64, 128, dtype=torch.bfloat16)
+    words, m = _word.word_view(_word.FMT_S24, values, meta, 256)
+    with pytest.raises(Picked):
+        _word.run_gemv(x, words, values, None, m, fmt=_word.FMT_S24, group=1, n=64, k=256)
+    assert offered[-1] and all(c.sparse_mma for c in offered[-1])
+    codes = torch.zeros(64, 64, dtype=torch.uint8)
+    words, m = _word.word_view(_word.FMT_S24W4, codes, meta, 256)
+    scales = torch.ones(64, 2, dtype=torch.bfloat16)
+    with pytest.raises(Picked):
+        _word.run_gemv(x, words, scales, None, m, fmt=_word.FMT_S24W4, group=128, n=64, k=256)
+    kinds = {c.sparse_mma for c in offered[-1]}
+    assert kinds == {True, False}  # at one row the x-stationary kernel won (kernels run 77): it stays a candidate
+    assert all(c.prefetch == 0 for c in offered[-1] if c.sparse_mma)
+
+
 def test_bad_arguments_are_refused_before_launch():
     x = torch.zeros(1, 256, dtype=torch.bfloat16)
     words = torch.zeros(64, 64, dtype=torch.int32)
