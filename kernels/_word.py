@@ -104,10 +104,10 @@ class WordConfig:
     pipelined: bool = False  # wdot, INT4 / INT8 in bf16 / fp16 on sm_90: the Gluon kernel that overlaps dequantization and MMA
     # ([Note: pipelined wdot] in _pipelined_kernels); block_m x rows, block_n weight rows, stages buffers of x
     # tiles, prefetch buffers of word tiles
-    sparse_mma: bool = False  # gemv, plain 2:4 in bf16 on sm_80+: the Gluon kernel on sparse tensor cores ([Note: 2:4
-    # GEMV on sparse tensor cores] in _sparse_mma_kernels); block_w value words per slice of K (8 per 32-column
-    # tile), split_k slices, row_blocks blocks of 16 x warps weight rows per program, prefetch blocks loaded ahead
-    # (0: none)
+    sparse_mma: bool = False  # gemv, 2:4 (plain or + INT4) with bf16 x on sm_80+: the Gluon kernels on sparse tensor
+    # cores ([Note: 2:4 GEMV on sparse tensor cores] in _sparse_mma_kernels); block_w / 8 32-column tiles per slice of
+    # K, split_k slices, row_blocks blocks of 16 x warps weight rows per program, prefetch blocks loaded ahead (0:
+    # none; 2:4 + INT4 has no prefetch)
 
 
 @functools.cache
