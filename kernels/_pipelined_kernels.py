@@ -50,9 +50,8 @@ fixed cost (barriers, TMA issue, mbarrier waits). What is left at 256 rows, from
 with 64-row tiles on 8192x8192), L2 serves 3.7 TB/s (37 % of its peak) and issue slots are 26 % busy. The warps
 mostly wait: on fixed-latency dependencies inside the dequantization (1.4 cycles per issued instruction), on the
 mbarriers and loads (1.3), on dispatch (0.7), shared memory (0.7) and the CTA barrier (0.6). With 218 registers a
-thread only 8 warps fit an SM, too few to hide that. More warps are the cure: warp specialization (warps that only
-dequantize feeding a warp group that only issues MMAs; ``gl.warp_specialize`` exists in Triton 3.6, not tried), or
-fewer registers so that two programs fit.
+thread only 8 warps fit an SM, too few to hide that. The warp-specialized kernel splits the roles
+([Note: warp-specialized wdot] in ``_specialized_kernels``) and replaces this one from 256 rows where it wins.
 """
 from __future__ import annotations
 
@@ -132,6 +131,38 @@ def _tile_scales(s_chunk, z_chunk, cols, j, WORDS_LAYOUT: gl.constexpr, BW: gl.c
 
 
 @gluon.jit
+def _scales_first(s_ptr, z_ptr, off_n, N, t_lo, groups, stride_sn, HAS_ZEROS: gl.constexpr, GROUP: gl.constexpr,
+                  BLOCK_N: gl.constexpr, CHUNK_L: gl.constexpr, WORDS_L: gl.constexpr):
+    """The scale state at a split's first tile ``t_lo``: the rows, the chunk of 16 groups holding it and the next one
+    (``_scale_chunk``), and its group's scales spread over the words' layout (``_tile_scales``)."""
+    TILES_PER_CHUNK: gl.constexpr = 16 * (GROUP // BK)
+    rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CHUNK_L))
+    rmask = rows < N
+    cols = gl.arange(0, 16, layout=gl.SliceLayout(0, CHUNK_L))
+    chunk = t_lo // TILES_PER_CHUNK
+    s_cur, z_cur = _scale_chunk(s_ptr, z_ptr, rows, rmask, cols, chunk, groups, stride_sn, HAS_ZEROS)
+    s_nxt, z_nxt = _scale_chunk(s_ptr, z_ptr, rows, rmask, cols, chunk + 1, groups, stride_sn, HAS_ZEROS)
+    s_t, z_t = _tile_scales(s_cur, z_cur, cols, (t_lo // (GROUP // BK)) % 16, WORDS_L, BW)
+    return rows, rmask, cols, s_cur, z_cur, s_nxt, z_nxt, s_t, z_t
+
+
+@gluon.jit
+def _scales_next(j, t, rows, rmask, cols, s_cur, z_cur, s_nxt, z_nxt, s_t, z_t, s_ptr, z_ptr, groups, stride_sn,
+                 HAS_ZEROS: gl.constexpr, GROUP: gl.constexpr, WORDS_L: gl.constexpr):
+    """The scale state at tile ``t`` (the split's ``j``-th): a new chunk loaded a chunk ahead where one starts, the
+    group's scales spread where a group starts."""
+    TILES_PER_GROUP: gl.constexpr = GROUP // BK
+    TILES_PER_CHUNK: gl.constexpr = 16 * TILES_PER_GROUP
+    if (t % TILES_PER_CHUNK == 0) & (j > 0):
+        s_cur, z_cur = s_nxt, z_nxt
+        s_nxt, z_nxt = _scale_chunk(s_ptr, z_ptr, rows, rmask, cols, t // TILES_PER_CHUNK + 1, groups, stride_sn,
+                                    HAS_ZEROS)
+    if (t % TILES_PER_GROUP == 0) & (j > 0):
+        s_t, z_t = _tile_scales(s_cur, z_cur, cols, (t // TILES_PER_GROUP) % 16, WORDS_L, BW)
+    return s_cur, z_cur, s_nxt, z_nxt, s_t, z_t
+
+
+@gluon.jit
 def _dequant_to(buf, w, s, zz):
     """INT4 words ``(BN, BW)`` -> ``buf`` ``(BN, 8 * BW)`` in the scales' dtype (bf16 or fp16), ``(q - z) * s`` in
     the natural column order."""
@@ -162,6 +193,41 @@ def _dequant8_to(buf, w, DTYPE: gl.constexpr):
 
 
 @gluon.jit
+def _store_acc(acc, out_ptr, part_ptr, count_ptr, off_n, off_m, M, N, SPLIT_K, stride_om, BLOCK_N: gl.constexpr,
+               BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
+    """The tile's ``acc^T`` (weight rows x rows of ``x``) into ``out``, or with split-K its partial into ``part_ptr``,
+    the tile's last split summing the partials in split order ([Note: split-K fix-up] in ``_word``), 32 rows of
+    ``x`` at a time so that the accumulator and a partial are never both in registers."""
+    acc_l: gl.constexpr = acc.type.layout
+    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
+    offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_l))
+    mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    if SPLIT_K == 1:
+        gl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tile = offs_m[None, :] * N + offs_n[:, None]
+        gl.store(part_ptr + gl.program_id(2) * M * N + tile, acc, mask=mask)
+        _cta_barrier()
+        counter = count_ptr + gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
+        done = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT_K - 1:
+            fix_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 1], threads_per_warp=[16, 2],
+                                                   warps_per_cta=[1, num_warps], order=[0, 1])
+            FIX_M: gl.constexpr = 32 if BLOCK_M >= 32 else BLOCK_M  # every row of the tile, also below 32
+            fn = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, fix_l))
+            for mb in gl.static_range(BLOCK_M // FIX_M):
+                fm = off_m + mb * FIX_M + gl.arange(0, FIX_M, layout=gl.SliceLayout(0, fix_l))
+                fmask = (fn < N)[:, None] & (fm < M)[None, :]
+                ftile = fm[None, :] * N + fn[:, None]
+                total = gl.zeros([BLOCK_N, FIX_M], gl.float32, fix_l)
+                for k0 in range(0, SPLIT_K):
+                    total += gl.load(part_ptr + k0 * M * N + ftile, mask=fmask, other=0.0, cache_modifier=".cg")
+                gl.store(out_ptr + fm[None, :] * stride_om + fn[:, None], total.to(out_ptr.dtype.element_ty),
+                         mask=fmask)
+            gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+@gluon.jit
 def w4_pipelined_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M, N, K, SPLIT_K, stride_sn,
                         stride_om, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_N: gl.constexpr,
                         BLOCK_M: gl.constexpr, XSTAGES: gl.constexpr, QSTAGES: gl.constexpr, W_LAYOUT: gl.constexpr,
@@ -177,8 +243,6 @@ def w4_pipelined_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_p
     t_lo = gl.program_id(2) * per_split
     n_tiles = gl.maximum(gl.minimum(per_split, n_all - t_lo), 0)  # this split's tiles: t_lo .. t_lo + n_tiles - 1
     groups = K // GROUP
-    TILES_PER_GROUP: gl.constexpr = GROUP // BK
-    TILES_PER_CHUNK: gl.constexpr = 16 * TILES_PER_GROUP  # a chunk of scales: 16 groups
 
     WPT: gl.constexpr = 2 * BW if INT8 else BW  # words per tile row: 64 columns, 4 (INT8) or 8 (INT4) a word
     RPW: gl.constexpr = BLOCK_N // num_warps  # warp w dequantizes rows 16w .. 16w + 15, its warp group's own
@@ -209,23 +273,15 @@ def w4_pipelined_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_p
             _tma_load(x_desc, [off_m, (t_lo + i) * BK], x_ready.index(i), x_smem.index(i))
 
     if not INT8:  # INT4's group scales (INT8's per-channel scale goes on the accumulator)
-        rows = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, chunk_l))
-        rmask = rows < N
-        cols = gl.arange(0, 16, layout=gl.SliceLayout(0, chunk_l))
-        chunk = t_lo // TILES_PER_CHUNK
-        s_cur, z_cur = _scale_chunk(s_ptr, z_ptr, rows, rmask, cols, chunk, groups, stride_sn, HAS_ZEROS)
-        s_nxt, z_nxt = _scale_chunk(s_ptr, z_ptr, rows, rmask, cols, chunk + 1, groups, stride_sn, HAS_ZEROS)
-        s_t, z_t = _tile_scales(s_cur, z_cur, cols, (t_lo // TILES_PER_GROUP) % 16, words_l, BW)
+        rows, rmask, cols, s_cur, z_cur, s_nxt, z_nxt, s_t, z_t = _scales_first(
+            s_ptr, z_ptr, off_n, N, t_lo, groups, stride_sn, HAS_ZEROS, GROUP, BLOCK_N, chunk_l, words_l)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_l)
     for j in range(n_tiles):  # j counts this split's tiles (ring slots, phases); t is the tile of K
         t = t_lo + j
         if not INT8:
-            if (t % TILES_PER_CHUNK == 0) & (j > 0):  # the next chunk's scales: loaded a chunk ahead
-                s_cur, z_cur = s_nxt, z_nxt
-                s_nxt, z_nxt = _scale_chunk(s_ptr, z_ptr, rows, rmask, cols, t // TILES_PER_CHUNK + 1, groups,
-                                            stride_sn, HAS_ZEROS)
-            if (t % TILES_PER_GROUP == 0) & (j > 0):
-                s_t, z_t = _tile_scales(s_cur, z_cur, cols, (t // TILES_PER_GROUP) % 16, words_l, BW)
+            s_cur, z_cur, s_nxt, z_nxt, s_t, z_t = _scales_next(j, t, rows, rmask, cols, s_cur, z_cur, s_nxt, z_nxt,
+                                                                s_t, z_t, s_ptr, z_ptr, groups, stride_sn, HAS_ZEROS,
+                                                                GROUP, words_l)
         qs = j % QSTAGES
         mbarrier.wait(q_ready.index(qs), (j // QSTAGES) & 1)
         buf = w_smem.index(j % 2)
@@ -260,31 +316,7 @@ def w4_pipelined_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_p
     for i in gl.static_range(QSTAGES):
         mbarrier.invalidate(q_ready.index(i))
 
-    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
-    offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_l))
-    mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
     if INT8:  # the per-channel scale, in fp32 on the accumulator
+        offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
         acc = acc * gl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[:, None]
-    if SPLIT_K == 1:
-        gl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
-    else:  # [Note: split-K fix-up] in _word: partials in split order, summed by the tile's last split
-        tile = offs_m[None, :] * N + offs_n[:, None]
-        gl.store(part_ptr + gl.program_id(2) * M * N + tile, acc, mask=mask)
-        _cta_barrier()
-        counter = count_ptr + gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
-        done = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if done == SPLIT_K - 1:  # 32 rows of x at a time, so that two tiles' registers are never live at once
-            fix_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 1], threads_per_warp=[16, 2],
-                                                   warps_per_cta=[1, num_warps], order=[0, 1])
-            FIX_M: gl.constexpr = 32 if BLOCK_M >= 32 else BLOCK_M  # every row of the tile, also below 32
-            fn = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, fix_l))
-            for mb in gl.static_range(BLOCK_M // FIX_M):
-                fm = off_m + mb * FIX_M + gl.arange(0, FIX_M, layout=gl.SliceLayout(0, fix_l))
-                fmask = (fn < N)[:, None] & (fm < M)[None, :]
-                ftile = fm[None, :] * N + fn[:, None]
-                total = gl.zeros([BLOCK_N, FIX_M], gl.float32, fix_l)
-                for k0 in range(0, SPLIT_K):
-                    total += gl.load(part_ptr + k0 * M * N + ftile, mask=fmask, other=0.0, cache_modifier=".cg")
-                gl.store(out_ptr + fm[None, :] * stride_om + fn[:, None], total.to(out_ptr.dtype.element_ty),
-                         mask=fmask)
-            gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+    _store_acc(acc, out_ptr, part_ptr, count_ptr, off_n, off_m, M, N, SPLIT_K, stride_om, BLOCK_N, BLOCK_M, num_warps)

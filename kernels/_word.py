@@ -104,6 +104,8 @@ class WordConfig:
     pipelined: bool = False  # wdot, INT4 / INT8 in bf16 / fp16 on sm_90: the Gluon kernel that overlaps dequantization and MMA
     # ([Note: pipelined wdot] in _pipelined_kernels); block_m x rows, block_n weight rows, stages buffers of x
     # tiles, prefetch buffers of word tiles
+    specialized: int = 0  # pipelined INT4: > 0 picks the warp-specialized kernel with that many dequantizing warps
+    # ([Note: warp-specialized wdot] in _specialized_kernels); block_w is then its number of dequantized buffers
     sparse_mma: bool = False  # gemv, 2:4 (plain or + INT4) with bf16 x on sm_80+: the Gluon kernels on sparse tensor
     # cores ([Note: 2:4 GEMV on sparse tensor cores] in _sparse_mma_kernels); block_w / 8 32-column tiles per slice of
     # K, split_k slices, row_blocks blocks of 16 x warps weight rows per program, prefetch blocks loaded ahead (0:
@@ -320,6 +322,11 @@ FULL_TILES = ((16, 64, 4, 4, False, 128), (16, 128, 4, 3, False, 128), (16, 64, 
 # tensors must be (run 58)
 PIPELINED_TILES = ((128, 64, 4), (128, 128, 4), (256, 64, 4), (256, 128, 4))
 PIPELINED_MIN_M = 128
+# (BM, BN, x buffers, dequantized buffers, dequantizing warps) of the warp-specialized INT4 kernel ([Note:
+# warp-specialized wdot] in _specialized_kernels), from 256 rows. Kernels run 80 timed eight tiles: these two won
+# every cell at 256 and 512 rows; 128-row blocks of x ran 0.44-0.68x, a third dequantized buffer 1-5 % slower
+SPECIALIZED_TILES = ((256, 128, 4, 2, 4), (256, 64, 4, 2, 4))
+SPECIALIZED_MIN_M = 256
 
 
 def _full_block_w(fmt: int, group: int, cols: int = 128) -> int | None:
@@ -380,6 +387,25 @@ def full_depth_candidates(fmt: int, m: int, n: int, kw: int, group: int, device:
                     if sp == 1 or _fixup_fits(m, n, sp, bm, bn):
                         out.append(WordConfig(bm, bn, 64 // CPW[fmt], sp, bn // 16, xs, qs, full_depth=True, order=3,
                                               pipelined=True, fixup=sp > 1))
+    if packed in (1, 2) and fmt == FMT_W4 and mb >= SPECIALIZED_MIN_M:
+        from ._pipelined import specialized_possible
+
+        if specialized_possible(device, group=group, k=kw * CPW[fmt]):
+            out += specialized_candidates(m, n, kw, sms)
+    return out
+
+
+def specialized_candidates(m: int, n: int, kw: int, sms: int) -> list[WordConfig]:
+    """The warp-specialized INT4 kernel's configs ([Note: warp-specialized wdot] in ``_specialized_kernels``): each
+    tile whole, and split just under one wave where the tiles leave SMs idle."""
+    out = []
+    for bm, bn, xs, wst, dq in SPECIALIZED_TILES:
+        progs = cdiv(m, bm) * cdiv(n, bn)
+        under = 1 << max(0, (sms // progs).bit_length() - 1) if progs < sms else 1  # just under a wave
+        for sp in sorted({1, under}):
+            if sp == 1 or _fixup_fits(m, n, sp, bm, bn):
+                out.append(WordConfig(bm, bn, wst, sp, bn // 16, xs, 8, full_depth=True, order=3, pipelined=True,
+                                      fixup=sp > 1, specialized=dq))
     return out
 
 
@@ -679,10 +705,15 @@ def wdot_launcher(x, words, s, z, *, fmt: int, group: int, n: int, k: int):
 
     def launch(c: WordConfig) -> torch.Tensor:  # the plane-major copy, where read, is timed with the kernel
         if c.pipelined:
-            from ._pipelined import run_pipelined
+            from ._pipelined import run_pipelined, run_specialized
 
             ws = _stationary_workspace(x.device) if c.split_k > 1 else None
             fits = ws is not None and _fixup_fits(m, n, c.split_k, c.block_m, c.block_n)
+            if c.specialized:
+                return run_specialized(x, words, s, z, group=group, n=n, k=k, block_m=c.block_m, block_n=c.block_n,
+                                       stages=c.stages, q_stages=c.prefetch, w_stages=c.block_w,
+                                       dq_warps=c.specialized,
+                                       split_k=c.split_k if fits else 1, workspace=ws if fits else None)
             return run_pipelined(x, words, s, z, group=group, n=n, k=k, block_m=c.block_m, block_n=c.block_n,
                                  stages=c.stages, q_stages=c.prefetch, split_k=c.split_k if fits else 1,
                                  workspace=ws if fits else None,  # no workspace yet (a capture): one slice

@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+# the tail of a compile script, after ``kernel = triton.compile(...)``: the cubin written to ``sys.argv[2]``, its SASS
+# as ``code`` ((address, opcode, operands) per instruction) and the PTX as ``ptx``
+SASS_OF_KERNEL = r'''
+path = sys.argv[2]
+open(path, "wb").write(kernel.asm["cubin"])
+tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
+code = re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", sass, flags=re.M)
+ptx = kernel.asm["ptx"]
+'''
 
 
 def run_compile_script(script: str, args: list[str], tmp_path: Path) -> dict:
@@ -25,3 +37,14 @@ def run_compile_script(script: str, args: list[str], tmp_path: Path) -> dict:
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main_loop(code: list) -> list:
+    """The instructions of the loop that holds the MMAs: from the target of the first backward branch after the
+    last ``HGMMA`` to that branch."""
+    last = max(i for i, (_, op, _) in enumerate(code) if op.startswith("HGMMA"))
+    for addr, op, rest in code[last:]:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            return [(a, o, r) for a, o, r in code if int(target.group(1), 16) <= a <= addr]
+    raise AssertionError("no loop around the HGMMAs")

@@ -9,13 +9,12 @@ with the reference, ``benchmarks/packed_check.py`` one-hot rows bit for bit (ben
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.sm90_compile import run_compile_script
+from tests.sm90_compile import SASS_OF_KERNEL, main_loop, run_compile_script
 from zspeed.kernels import _pipelined, _word
 from zspeed.kernels._gemm import FMT_W4, FMT_W8
 
@@ -104,13 +103,7 @@ const = dict(GROUP=64 if int8 else 128, HAS_ZEROS=not int8, BLOCK_N=bn, BLOCK_M=
 sig.update({name: "constexpr" for name in const})
 kernel = triton.compile(GluonASTSource(P.w4_pipelined_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": bn // 16})
-path = sys.argv[2]
-open(path, "wb").write(kernel.asm["cubin"])
-tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
-code = re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", sass, flags=re.M)
-ptx = kernel.asm["ptx"]
-fixup = ptx[ptx.find("atom.global.gpu.acq_rel"):]  # what the last split of a tile runs: the partials' sum
+''' + SASS_OF_KERNEL + r'''fixup = ptx[ptx.find("atom.global.gpu.acq_rel"):]  # what the last split of a tile runs: the partials' sum
 print(json.dumps({"code": [[int(a, 16), op, rest.strip()] for a, op, rest in code], "shared": kernel.metadata.shared,
                   "fixup": {"loads": fixup.count("ld.global.cg"), "stores": fixup.count("st.global")}}))
 '''
@@ -123,22 +116,11 @@ def _sass(tmp_path: Path, **opts) -> dict:
     return run_compile_script(_COMPILE, [json.dumps(opts), str(cubin)], tmp_path)
 
 
-def _main_loop(code: list) -> list:
-    """The instructions of the loop that holds the MMAs: from the target of the first backward branch after the
-    last ``HGMMA`` to that branch."""
-    last = max(i for i, (_, op, _) in enumerate(code) if op.startswith("HGMMA"))
-    for addr, op, rest in code[last:]:
-        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
-        if target and int(target.group(1), 16) < addr:
-            return [(a, o, r) for a, o, r in code if int(target.group(1), 16) <= a <= addr]
-    raise AssertionError("no loop around the HGMMAs")
-
-
 @pytest.mark.parametrize("bn,bm,xs,int8", [(64, 128, 4, False), (128, 256, 4, False), (64, 256, 4, False),
                                           (64, 16, 4, False), (64, 256, 4, True), (128, 128, 4, True)])
 def test_compiles_for_hopper_with_each_wgmma_overlapping_the_next_tile(tmp_path, bn, bm, xs, int8):
     got = _sass(tmp_path, BN=bn, BM=bm, XS=xs, INT8=int8)
-    loop = _main_loop(got["code"])
+    loop = main_loop(got["code"])
     ops = [op for _, op, _ in loop]
     waits = [rest for _, op, rest in loop if op.startswith("WARPGROUP.DEPBAR")]
     assert sum(op.startswith("HGMMA") for op in ops) == 4  # 64 columns a tile: four k16 steps, operands in shared
