@@ -94,8 +94,23 @@ def specialized_configs(m: int, n: int, kw: int, sms: int) -> list[_word.WordCon
         _word.SPECIALIZED_TILES = saved
 
 
+# (BM, x buffers) of the kernel that dequantizes into the wgmma's register operand ([Note: fragment wdot] in
+# kernels/_fragment_kernels.py) beyond the tuner's (``_word.FRAGMENT_TILES``); run 86 timed these too
+FRAGMENT_TRIALS = ((256, 5), (128, 6))
+
+
+def fragment_configs(m: int, n: int, kw: int, sms: int) -> list[_word.WordConfig]:
+    """The register-operand kernel's trial tiles, whole and split just under one wave."""
+    saved = _word.FRAGMENT_TILES
+    try:
+        _word.FRAGMENT_TILES = FRAGMENT_TRIALS
+        return _word.fragment_candidates(m, n, kw, sms)
+    finally:
+        _word.FRAGMENT_TILES = saved
+
+
 def one_cell(fmt_name: str, w: torch.Tensor, m: int, g: torch.Generator, only_tuned: bool,
-             pipelined: bool = True, trial: bool = True, specialized: bool = False) -> dict:
+             pipelined: bool = True, trial: bool = True, specialized: bool = False, fragment: bool = False) -> dict:
     n, k = w.shape
     if fmt_name == "w4":
         q = quantize_int4(w, group_size=128, scale_dtype=torch.bfloat16)
@@ -119,6 +134,8 @@ def one_cell(fmt_name: str, w: torch.Tensor, m: int, g: torch.Generator, only_tu
             trials += [c for c in pipelined_configs(m, n, words.shape[1], _word._sm_count(0)) if c not in tuned]
             if specialized and m_bucket(m) >= 128:
                 trials += [c for c in specialized_configs(m, n, words.shape[1], _word._sm_count(0)) if c not in tuned]
+            if fragment and m_bucket(m) >= 128:
+                trials += [c for c in fragment_configs(m, n, words.shape[1], _word._sm_count(0)) if c not in tuned]
     bf16_us = graph_time_ms(lambda: F.linear(x, w)) * 1e3
     rows = []
     for origin, configs in (("tuned", tuned), ("trial", trials)):
@@ -148,11 +165,14 @@ def one_cell(fmt_name: str, w: torch.Tensor, m: int, g: torch.Generator, only_tu
     best = lambda rs: min(rs, key=lambda r: r["us"]) if rs else None  # noqa: E731
     bt, ba = best([r for r in rows if r["origin"] == "tuned"]), best(rows)
     bw = best([r for r in rows if not r["config"].get("pipelined")])  # the kernels before the pipelined one
-    bp = best([r for r in rows if r["config"].get("pipelined") and not r["config"].get("specialized")])
+    bp = best([r for r in rows if r["config"].get("pipelined") and not r["config"].get("specialized")
+               and not r["config"].get("fragment")])
     bs = best([r for r in rows if r["config"].get("specialized")])
+    bf = best([r for r in rows if r["config"].get("fragment")])
     summary = dict(fmt=fmt_name, k=k, n=n, m=m, bf16_us=bf16_us, tuned_us=bt and bt["us"],
                    wmma_speedup=bw and bw["speedup"], pipelined_speedup=bp and bp["speedup"],
                    specialized_speedup=bs and bs["speedup"], specialized_config=bs and bs["config"],
+                   fragment_speedup=bf and bf["speedup"], fragment_config=bf and bf["config"],
                    tuned_speedup=bt and bt["speedup"], tuned_config=bt and bt["config"], best_us=ba["us"],
                    best_speedup=ba["speedup"], best_origin=ba["origin"], best_config=ba["config"])
     print("SUMMARY " + json.dumps(summary), flush=True)
@@ -168,6 +188,7 @@ def main() -> None:
     p.add_argument("--no-trial-tiles", action="store_true", help="leave out TRIAL_TILES (the pipelined stay)")
     p.add_argument("--no-pipelined", action="store_true", help="leave out the pipelined Gluon kernel")
     p.add_argument("--specialized", action="store_true", help="time the warp-specialized kernel's tiles too")
+    p.add_argument("--fragment", action="store_true", help="time the register-operand kernel's tiles too")
     args = p.parse_args()
     summaries = []
     for fmt_name in args.formats:
@@ -176,14 +197,14 @@ def main() -> None:
             w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
             for m in args.ms:
                 summaries.append(one_cell(fmt_name, w, m, g, args.only_tuned, not args.no_pipelined,
-                                          not args.no_trial_tiles, args.specialized))
+                                          not args.no_trial_tiles, args.specialized, args.fragment))
     print("\n| format | shape (K x N) | M | bf16 us | best without pipelined x | best pipelined x | best specialized x "
-          "| tuner's set x | best x | best config |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| best fragment x | tuner's set x | best x | best config |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     f2 = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     for s in summaries:
         print(f"| {s['fmt']} | {s['k']}x{s['n']} | {s['m']} | {s['bf16_us']:.1f} | {f2(s['wmma_speedup'])} | "
-              f"{f2(s['pipelined_speedup'])} | {f2(s['specialized_speedup'])} | "
+              f"{f2(s['pipelined_speedup'])} | {f2(s['specialized_speedup'])} | {f2(s['fragment_speedup'])} | "
               f"{s['tuned_speedup']:.2f} | "
               f"{s['best_speedup']:.2f} ({s['best_origin']}) | {s['best_config']} |")
     if os.environ.get("OUT"):

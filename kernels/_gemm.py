@@ -116,11 +116,12 @@ def launch(name: str, fmt: int, x: torch.Tensor, w: torch.Tensor, s: torch.Tenso
 
         semi = fmt == FMT_S24 and semi_supported(x, w)
         words = view is not None and _word.words_fit_groups(fmt, group)
-        pipelined = False
+        pipelined = fragment = False
         if fmt in (FMT_W4, FMT_W8) and x.shape[0] >= dict(kernel_policy().dense_min_m).get(name, 1024):  # matters
-            from ._pipelined import pipelined_fits
+            from ._pipelined import pipelined_fits, specialized_possible
 
             pipelined = pipelined_fits(x, s, group=group, k=k, int8=fmt == FMT_W8)
+            fragment = pipelined and fmt == FMT_W4 and specialized_possible(x.device, group=group, k=k)
         sparse_mma = False
         if fmt in (FMT_S24, FMT_S24W4) and view is not None and 1 < x.shape[0] <= kernel_policy().sparse_gemv_max_m:
             from ._sparse_mma import sparse_mma_fits, sparse_mma_w4_fits
@@ -128,7 +129,7 @@ def launch(name: str, fmt: int, x: torch.Tensor, w: torch.Tensor, s: torch.Tenso
             sparse_mma = sparse_mma_fits(x, view[0], view[1]) if fmt == FMT_S24 else \
                 sparse_mma_w4_fits(x, view[0], view[1], s, z, group=group)
         path = kernel_policy().path(name, x.shape[0], words=words, semi=semi, wdot=_word.wdot_fits(fmt, group),
-                                    pipelined=pipelined, sparse_mma=sparse_mma)
+                                    pipelined=pipelined, sparse_mma=sparse_mma, fragment=fragment)
     if path not in PATHS and path not in WORD_PATHS and path != "semi":
         raise ValueError(f"{name}: unknown path {path!r}; use one of {sorted([*PATHS, *WORD_PATHS, 'semi'])}")
     if x.shape[0] == 0:

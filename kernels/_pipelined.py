@@ -1,8 +1,12 @@
-"""Launcher of the pipelined INT4 GEMM for Hopper ([Note: pipelined wdot] in ``_pipelined_kernels``).
+"""Launchers of the Gluon GEMMs for Hopper: the pipelined INT4 / INT8 kernel ([Note: pipelined wdot] in
+``_pipelined_kernels``), the warp-specialized INT4 kernel ([Note: warp-specialized wdot] in ``_specialized_kernels``)
+and the INT4 kernel that dequantizes into the ``wgmma``'s register operand ([Note: fragment wdot] in
+``_fragment_kernels``).
 
-The ``wdot`` path offers it beside the full-depth kernel's tiles where :func:`pipelined_fits`; it runs only
-compiled, on an sm_90 GPU (the interpreter cannot run Gluon), so CPU tests compile it for sm_90 and check its
-schedule, and GPU runs check its outputs (``benchmarks/wdot_tiles.py``, ``benchmarks/packed_check.py``).
+The ``wdot`` path offers them beside the full-depth kernel's tiles where :func:`pipelined_fits` (the last two also
+where :func:`specialized_possible`); they run only compiled, on an sm_90 GPU (the interpreter cannot run Gluon), so
+CPU tests compile them for sm_90 and check their schedules, and GPU runs check their outputs
+(``benchmarks/wdot_tiles.py``, ``benchmarks/packed_check.py``, ``benchmarks/fragment_check.py``).
 """
 from __future__ import annotations
 
@@ -59,6 +63,24 @@ def words_readable(words: torch.Tensor) -> bool:
     return words.stride(1) == 1 and words.data_ptr() % 16 == 0 and (words.stride(0) * words.element_size()) % 16 == 0
 
 
+def _operands(x: torch.Tensor, words: torch.Tensor, *, n: int, k: int, block_m: int, block_n: int, wpt: int):
+    """``(x_desc, w_desc, out, dt)`` of a Gluon GEMM: TMA descriptors of ``x`` (copied where TMA cannot read it: a
+    16-byte aligned base and rows) in ``(block_m, 64)`` blocks and of the words in ``(block_n, wpt)`` blocks, the
+    output ``(M, N)`` in ``x``'s dtype, and that dtype's Gluon name."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    m = x.shape[0]
+    if x.stride(1) != 1 or (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
+        x = x.contiguous() if x.data_ptr() % 16 == 0 else x.clone()
+    dt = getattr(gl, _GL[x.dtype])
+    x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, TILE_K],
+                              gl.NVMMASharedLayout.get_default_for([block_m, TILE_K], dt))
+    w_desc = TensorDescriptor(words, [n, words.shape[1]], [words.stride(0), 1], [block_n, wpt],
+                              gl.NVMMASharedLayout.get_default_for([block_n, wpt], gl.int32))
+    return x_desc, w_desc, torch.empty(m, n, device=x.device, dtype=x.dtype), dt
+
+
 def run_pipelined(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, *, group: int,
                   n: int, k: int, block_m: int, block_n: int, stages: int, q_stages: int, split_k: int = 1,
                   workspace: tuple[torch.Tensor, torch.Tensor] | None = None, int8: bool = False) -> torch.Tensor:
@@ -71,19 +93,10 @@ def run_pipelined(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torc
     if split_k > 1 and workspace is None:
         raise ValueError("run_pipelined: split_k > 1 needs the fix-up workspace (partials, counters)")
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     m = x.shape[0]
-    if x.stride(1) != 1 or (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
-        x = x.contiguous() if x.data_ptr() % 16 == 0 else x.clone()  # TMA: 16-byte aligned base and rows
-    dt = getattr(gl, _GL[x.dtype])
-    x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, TILE_K],
-                              gl.NVMMASharedLayout.get_default_for([block_m, TILE_K], dt))
-    kw = words.shape[1]
-    wpt = TILE_K // (4 if int8 else 8)  # words per tile row
-    w_desc = TensorDescriptor(words, [n, kw], [words.stride(0), 1], [block_n, wpt],
-                              gl.NVMMASharedLayout.get_default_for([block_n, wpt], gl.int32))
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    x_desc, w_desc, out, dt = _operands(x, words, n=n, k=k, block_m=block_m, block_n=block_n,
+                                        wpt=TILE_K // (4 if int8 else 8))
     parts, counters = workspace if split_k > 1 else (out, words)
     _kernels().w4_pipelined_kernel[(cdiv(n, block_n), cdiv(m, block_m), split_k)](
         x_desc, w_desc, s, z if z is not None else s, out, parts, counters, m, n, k, split_k, s.stride(0),
@@ -121,22 +134,38 @@ def run_specialized(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: to
     if split_k > 1 and workspace is None:
         raise ValueError("run_specialized: split_k > 1 needs the fix-up workspace (partials, counters)")
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     m = x.shape[0]
-    if x.stride(1) != 1 or (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
-        x = x.contiguous() if x.data_ptr() % 16 == 0 else x.clone()
-    dt = getattr(gl, _GL[x.dtype])
-    x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, TILE_K],
-                              gl.NVMMASharedLayout.get_default_for([block_m, TILE_K], dt))
-    wpt = TILE_K // 8
-    w_desc = TensorDescriptor(words, [n, words.shape[1]], [words.stride(0), 1], [block_n, wpt],
-                              gl.NVMMASharedLayout.get_default_for([block_n, wpt], gl.int32))
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    x_desc, w_desc, out, dt = _operands(x, words, n=n, k=k, block_m=block_m, block_n=block_n, wpt=TILE_K // 8)
     parts, counters = workspace if split_k > 1 else (out, words)
     _specialized_kernels().w4_specialized_kernel[(cdiv(n, block_n), cdiv(m, block_m), split_k)](
         x_desc, w_desc, s, z if z is not None else s, out, parts, counters, m, n, k, split_k, s.stride(0),
         out.stride(0), GROUP=group, HAS_ZEROS=z is not None, BLOCK_N=block_n, BLOCK_M=block_m, XSTAGES=stages,
         QSTAGES=q_stages, WSTAGES=w_stages, DQ_WARPS=dq_warps, DQ_REGS=SPECIALIZED_DQ_REGS[dq_warps],
         W_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_n, TILE_K], dt), num_warps=block_n // 16)
+    return out
+
+
+@functools.cache
+def _fragment_kernels():
+    from . import _fragment_kernels
+
+    return _fragment_kernels
+
+
+def run_fragment(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, *, group: int,
+                 n: int, k: int, block_m: int, stages: int, q_stages: int, split_k: int = 1,
+                 workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The INT4 kernel that dequantizes into the ``wgmma``'s register operand ([Note: fragment wdot] in
+    ``_fragment_kernels``): 128 weight rows a program in two MMA warp groups, one loader warp; other arguments as
+    :func:`run_pipelined` (with split-K two counters a tile)."""
+    if split_k > 1 and workspace is None:
+        raise ValueError("run_fragment: split_k > 1 needs the fix-up workspace (partials, counters)")
+    m = x.shape[0]
+    x_desc, w_desc, out, _ = _operands(x, words, n=n, k=k, block_m=block_m, block_n=128, wpt=TILE_K // 8)
+    parts, counters = workspace if split_k > 1 else (out, words)
+    _fragment_kernels().w4_fragment_kernel[(cdiv(n, 128), cdiv(m, block_m), split_k)](
+        x_desc, w_desc, s, z if z is not None else s, out, parts, counters, m, n, k, split_k, s.stride(0),
+        out.stride(0), GROUP=group, HAS_ZEROS=z is not None, BLOCK_M=block_m, XSTAGES=stages, QSTAGES=q_stages,
+        MMA_REGS=232, num_warps=4)
     return out

@@ -193,11 +193,21 @@ def _dequant8_to(buf, w, DTYPE: gl.constexpr):
 
 
 @gluon.jit
-def _store_acc(acc, out_ptr, part_ptr, count_ptr, off_n, off_m, M, N, SPLIT_K, stride_om, BLOCK_N: gl.constexpr,
-               BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
+def _split_tiles(K, SPLIT_K):
+    """``(t_lo, n_tiles)``: this program's slice of ``K``'s 64-column tiles, ``t_lo .. t_lo + n_tiles - 1``."""
+    n_all = K // BK
+    per_split = gl.cdiv(n_all, SPLIT_K)
+    t_lo = gl.program_id(2) * per_split
+    return t_lo, gl.maximum(gl.minimum(per_split, n_all - t_lo), 0)
+
+
+@gluon.jit
+def _store_acc(acc, out_ptr, part_ptr, count_ptr, off_n, off_m, M, N, SPLIT_K, stride_om, tile_id,
+               BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
     """The tile's ``acc^T`` (weight rows x rows of ``x``) into ``out``, or with split-K its partial into ``part_ptr``,
     the tile's last split summing the partials in split order ([Note: split-K fix-up] in ``_word``), 32 rows of
-    ``x`` at a time so that the accumulator and a partial are never both in registers."""
+    ``x`` at a time so that the accumulator and a partial are never both in registers. ``tile_id`` picks the
+    tile's counter; ``num_warps`` are the warps that hold ``acc``."""
     acc_l: gl.constexpr = acc.type.layout
     offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
     offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_l))
@@ -208,7 +218,7 @@ def _store_acc(acc, out_ptr, part_ptr, count_ptr, off_n, off_m, M, N, SPLIT_K, s
         tile = offs_m[None, :] * N + offs_n[:, None]
         gl.store(part_ptr + gl.program_id(2) * M * N + tile, acc, mask=mask)
         _cta_barrier()
-        counter = count_ptr + gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
+        counter = count_ptr + tile_id
         done = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
         if done == SPLIT_K - 1:
             fix_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 1], threads_per_warp=[16, 2],
@@ -238,10 +248,7 @@ def w4_pipelined_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_p
     ([Note: split-K fix-up] in ``_word``)."""
     off_n = gl.program_id(0) * BLOCK_N
     off_m = gl.program_id(1) * BLOCK_M
-    n_all = K // BK
-    per_split = gl.cdiv(n_all, SPLIT_K)
-    t_lo = gl.program_id(2) * per_split
-    n_tiles = gl.maximum(gl.minimum(per_split, n_all - t_lo), 0)  # this split's tiles: t_lo .. t_lo + n_tiles - 1
+    t_lo, n_tiles = _split_tiles(K, SPLIT_K)
     groups = K // GROUP
 
     WPT: gl.constexpr = 2 * BW if INT8 else BW  # words per tile row: 64 columns, 4 (INT8) or 8 (INT4) a word
@@ -319,4 +326,5 @@ def w4_pipelined_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_p
     if INT8:  # the per-channel scale, in fp32 on the accumulator
         offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
         acc = acc * gl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[:, None]
-    _store_acc(acc, out_ptr, part_ptr, count_ptr, off_n, off_m, M, N, SPLIT_K, stride_om, BLOCK_N, BLOCK_M, num_warps)
+    _store_acc(acc, out_ptr, part_ptr, count_ptr, off_n, off_m, M, N, SPLIT_K, stride_om,
+               gl.program_id(1) * gl.num_programs(0) + gl.program_id(0), BLOCK_N, BLOCK_M, num_warps)

@@ -31,8 +31,9 @@ pipelined kernel ran 0.81-0.85x, at 512 rows 0.72-0.82x (0.66-0.76x), at 1024 ro
 buffers (5, 6), a third dequantized buffer or 8 dequantizing warps were each slower, so neither latency nor the
 dequantization's throughput is what is left. Shared memory bandwidth is the likely limit: per 256 x 128 x 64 tile
 the two warp groups' ``wgmma`` read ``x`` twice and the weights once (80 KB), TMA writes 36 KB and the dequantization
-16 KB, about 130 bytes a cycle at the tensor pipe's full rate, against 128 an SM. Taking the weights into the
-``wgmma`` from registers would save the 32 KB of dequantized stores and reads a tile.
+16 KB, about 130 bytes a cycle at the tensor pipe's full rate, against 128 an SM. The register-operand kernel
+([Note: fragment wdot] in ``_fragment_kernels``) saves the 32 KB of dequantized stores and reads a tile, and is
+faster in every cell measured (kernels run 86); this one stays among the tuner's candidates from 256 rows.
 """
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from ._pipelined_kernels import BK, BW, _cta_barrier, _dequant_to, _scales_first, _scales_next, _store_acc, _tma_load
+from ._pipelined_kernels import (BK, BW, _cta_barrier, _dequant_to, _scales_first, _scales_next, _split_tiles,
+                                 _store_acc, _tma_load)
 
 
 @gluon.jit
@@ -126,10 +128,7 @@ def w4_specialized_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count
     MMA warp groups), the loader warp and ``DQ_WARPS`` dequantizing warps come on top."""
     off_n = gl.program_id(0) * BLOCK_N
     off_m = gl.program_id(1) * BLOCK_M
-    n_all = K // BK
-    per_split = gl.cdiv(n_all, SPLIT_K)
-    t_lo = gl.program_id(2) * per_split
-    n_tiles = gl.maximum(gl.minimum(per_split, n_all - t_lo), 0)
+    t_lo, n_tiles = _split_tiles(K, SPLIT_K)
 
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [XSTAGES, BLOCK_M, BK], x_desc.layout)
     q_smem = gl.allocate_shared_memory(gl.int32, [QSTAGES, BLOCK_N, BW], w_desc.layout)
@@ -160,4 +159,5 @@ def w4_specialized_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count
         mbarrier.invalidate(w_ready.index(i))
         mbarrier.invalidate(w_empty.index(i))
 
-    _store_acc(acc, out_ptr, part_ptr, count_ptr, off_n, off_m, M, N, SPLIT_K, stride_om, BLOCK_N, BLOCK_M, num_warps)
+    _store_acc(acc, out_ptr, part_ptr, count_ptr, off_n, off_m, M, N, SPLIT_K, stride_om,
+               gl.program_id(1) * gl.num_programs(0) + gl.program_id(0), BLOCK_N, BLOCK_M, num_warps)

@@ -106,6 +106,8 @@ class WordConfig:
     # tiles, prefetch buffers of word tiles
     specialized: int = 0  # pipelined INT4: > 0 picks the warp-specialized kernel with that many dequantizing warps
     # ([Note: warp-specialized wdot] in _specialized_kernels); block_w is then its number of dequantized buffers
+    fragment: bool = False  # pipelined INT4: the kernel that dequantizes into the wgmma's register operand ([Note:
+    # fragment wdot] in _fragment_kernels)
     sparse_mma: bool = False  # gemv, 2:4 (plain or + INT4) with bf16 x on sm_80+: the Gluon kernels on sparse tensor
     # cores ([Note: 2:4 GEMV on sparse tensor cores] in _sparse_mma_kernels); block_w / 8 32-column tiles per slice of
     # K, split_k slices, row_blocks blocks of 16 x warps weight rows per program, prefetch blocks loaded ahead (0:
@@ -327,6 +329,11 @@ PIPELINED_MIN_M = 128
 # every cell at 256 and 512 rows; 128-row blocks of x ran 0.44-0.68x, a third dequantized buffer 1-5 % slower
 SPECIALIZED_TILES = ((256, 128, 4, 2, 4), (256, 64, 4, 2, 4))
 SPECIALIZED_MIN_M = 256
+# (BM, x buffers) of the INT4 kernel that dequantizes into the wgmma's register operand ([Note: fragment wdot] in
+# _fragment_kernels), 128 weight rows a program, from 128 rows. Kernels run 86: it beat every other kernel in all nine
+# cells at 128-512 rows; six x buffers won one cell of nine (by 1 %), five none
+FRAGMENT_TILES = ((128, 4), (256, 4))
+FRAGMENT_MIN_M = 128
 
 
 def _full_block_w(fmt: int, group: int, cols: int = 128) -> int | None:
@@ -387,11 +394,32 @@ def full_depth_candidates(fmt: int, m: int, n: int, kw: int, group: int, device:
                     if sp == 1 or _fixup_fits(m, n, sp, bm, bn):
                         out.append(WordConfig(bm, bn, 64 // CPW[fmt], sp, bn // 16, xs, qs, full_depth=True, order=3,
                                               pipelined=True, fixup=sp > 1))
-    if packed in (1, 2) and fmt == FMT_W4 and mb >= SPECIALIZED_MIN_M:
+    if packed in (1, 2) and fmt == FMT_W4 and mb >= FRAGMENT_MIN_M:
         from ._pipelined import specialized_possible
 
         if specialized_possible(device, group=group, k=kw * CPW[fmt]):
-            out += specialized_candidates(m, n, kw, sms)
+            out += fragment_candidates(m, n, kw, sms)
+            if mb >= SPECIALIZED_MIN_M:
+                out += specialized_candidates(m, n, kw, sms)
+    return out
+
+
+def _under_wave(progs: int, sms: int) -> int:
+    """The largest power-of-two split of ``K`` that keeps ``progs`` programs within one wave (1 if none does)."""
+    return 1 << max(0, (sms // progs).bit_length() - 1) if progs < sms else 1
+
+
+def fragment_candidates(m: int, n: int, kw: int, sms: int) -> list[WordConfig]:
+    """The register-operand INT4 kernel's configs ([Note: fragment wdot] in ``_fragment_kernels``): each tile whole,
+    and split just under one wave where the tiles leave SMs idle (a counter for each warp group's rows)."""
+    out = []
+    for bm, xs in FRAGMENT_TILES:
+        if bm > max(FRAGMENT_MIN_M, m_bucket(m)):
+            continue
+        for sp in sorted({1, _under_wave(cdiv(m, bm) * cdiv(n, 128), sms)}):
+            if sp == 1 or _fixup_fits(m, n, sp, bm, 64):
+                out.append(WordConfig(bm, 128, 8, sp, 8, xs, 8, full_depth=True, order=3, pipelined=True,
+                                      fixup=sp > 1, fragment=True))
     return out
 
 
@@ -400,9 +428,7 @@ def specialized_candidates(m: int, n: int, kw: int, sms: int) -> list[WordConfig
     tile whole, and split just under one wave where the tiles leave SMs idle."""
     out = []
     for bm, bn, xs, wst, dq in SPECIALIZED_TILES:
-        progs = cdiv(m, bm) * cdiv(n, bn)
-        under = 1 << max(0, (sms // progs).bit_length() - 1) if progs < sms else 1  # just under a wave
-        for sp in sorted({1, under}):
+        for sp in sorted({1, _under_wave(cdiv(m, bm) * cdiv(n, bn), sms)}):
             if sp == 1 or _fixup_fits(m, n, sp, bm, bn):
                 out.append(WordConfig(bm, bn, wst, sp, bn // 16, xs, 8, full_depth=True, order=3, pipelined=True,
                                       fixup=sp > 1, specialized=dq))
@@ -709,6 +735,13 @@ def wdot_launcher(x, words, s, z, *, fmt: int, group: int, n: int, k: int):
 
             ws = _stationary_workspace(x.device) if c.split_k > 1 else None
             fits = ws is not None and _fixup_fits(m, n, c.split_k, c.block_m, c.block_n)
+            if c.fragment:
+                from ._pipelined import run_fragment
+
+                fits = ws is not None and _fixup_fits(m, n, c.split_k, c.block_m, 64)  # a counter per warp group
+                return run_fragment(x, words, s, z, group=group, n=n, k=k, block_m=c.block_m, stages=c.stages,
+                                    q_stages=c.prefetch, split_k=c.split_k if fits else 1,
+                                    workspace=ws if fits else None)
             if c.specialized:
                 return run_specialized(x, words, s, z, group=group, n=n, k=k, block_m=c.block_m, block_n=c.block_n,
                                        stages=c.stages, q_stages=c.prefetch, w_stages=c.block_w,

@@ -14,7 +14,11 @@ pipelined wdot] in ``_pipelined_kernels``) it beats dequantize + cuBLAS up to 10
 8192x8192: 0.77x against 0.58x at 512 rows, 0.75x against 0.73x at 1024, 0.69x against 0.82x
 at 2048; kernels runs 50-51), so INT4 goes dense from ``pipelined_dense_min_m`` rows there;
 INT8 too, on the same kernel (bf16 / fp16 activations; 0.64-0.80x at 512 rows against dense
-0.55x, kernels runs 51 and 64). 2:4, plain or + INT4, with bf16 ``x`` keeps ``gemv`` up to
+0.55x, kernels runs 51 and 64). Where INT4 can take the kernel that dequantizes into the
+``wgmma``'s registers ([Note: fragment wdot] in ``_fragment_kernels``, Gluon with ``warp_specialize``)
+it beats dequantize + cuBLAS at 1024 rows on all three benchmark shapes (0.75-0.83x against
+0.72-0.74x) and ties at 2048 (0.84-0.86x against 0.81-0.90x; kernels run 88), so INT4 goes dense
+only from ``fragment_dense_min_m`` rows there. 2:4, plain or + INT4, with bf16 ``x`` keeps ``gemv`` up to
 ``sparse_gemv_max_m`` rows where its GEMV on sparse tensor cores runs ([Note: 2:4 GEMV on sparse
 tensor cores] in ``_sparse_mma_kernels``): the rows of ``x`` are that MMA's 8 columns, so 1 to 8
 rows read the weights once.
@@ -48,6 +52,7 @@ class KernelPolicy:
                                                  ("sparse24_w4a16", 128))
     semi_min_m: int = 128
     pipelined_dense_min_m: int = 1024  # INT4 / INT8 where the pipelined kernel runs ([Note: crossover])
+    fragment_dense_min_m: int = 2048  # INT4 where the register-operand kernel runs ([Note: crossover])
     sparse_gemv_max_m: int = 8  # 2:4 (plain, + INT4) keeps gemv up to here where it runs on sparse tensor cores
     force: str | None = None
 
@@ -59,12 +64,13 @@ class KernelPolicy:
                              f"splitk_max_m={self.splitk_max_m}")
 
     def path(self, fmt: str, m: int, *, words: bool = True, semi: bool = False, wdot: bool = True,
-             pipelined: bool = False, sparse_mma: bool = False) -> str:
+             pipelined: bool = False, sparse_mma: bool = False, fragment: bool = False) -> str:
         """The path for ``m`` rows; ``words``: whether the weight can be read word-wise (``_word.word_view``,
         ``_word.words_fit_groups``); ``semi``: whether plain 2:4 can run on sparse tensor cores
         (``semi.semi_supported``); ``wdot``: whether the tensor-core word kernel has a tile for the groups;
         ``pipelined``: whether INT4 / INT8 can take the pipelined kernel (``_pipelined.pipelined_fits``);
-        ``sparse_mma``: whether 2:4 (plain or + INT4) can take the GEMV on sparse tensor cores (``_sparse_mma``)."""
+        ``sparse_mma``: whether 2:4 (plain or + INT4) can take the GEMV on sparse tensor cores (``_sparse_mma``);
+        ``fragment``: whether INT4 can also take the register-operand kernel (``_pipelined.specialized_possible``)."""
         forced = self.force or os.environ.get("ZSPEED_KERNEL_PATH") or None
         if forced:
             if forced not in PATH_NAMES:
@@ -79,6 +85,8 @@ class KernelPolicy:
         dense_min = dict(self.dense_min_m).get(fmt, 1024)
         if pipelined and fmt in WDOT_FORMATS and words and wdot:
             dense_min = max(dense_min, self.pipelined_dense_min_m)
+            if fragment and fmt == "w4a16":
+                dense_min = max(dense_min, self.fragment_dense_min_m)
         if m >= dense_min:
             return "dense"
         if words and wdot and fmt in WDOT_FORMATS:

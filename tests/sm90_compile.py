@@ -1,5 +1,6 @@
 """Compile a Triton kernel for Hopper (sm_90) on the CPU, in a subprocess without the interpreter: the kernels'
-SASS checks (tests/test_kernels_packed.py, tests/test_kernels_pipelined.py) read what ptxas made of them."""
+SASS checks (tests/test_kernels_packed.py, tests/test_kernels_pipelined.py and the other Gluon kernels' tests) read
+what ptxas made of them; and which launcher a ``wdot`` config reaches."""
 from __future__ import annotations
 
 import json
@@ -48,3 +49,29 @@ def main_loop(code: list) -> list:
         if target and int(target.group(1), 16) < addr:
             return [(a, o, r) for a, o, r in code if int(target.group(1), 16) <= a <= addr]
     raise AssertionError("no loop around the HGMMAs")
+
+
+def launched_with(monkeypatch, config, launcher: str) -> dict:
+    """The keyword arguments that ``_word.wdot_launcher``'s launch hands ``_pipelined.<launcher>`` for ``config``
+    (an INT4 g128 layer of 64 x 256, three bf16 rows); every other Gluon launcher fails the test if called."""
+    import torch
+
+    from zspeed.compress import quantize_int4
+    from zspeed.kernels import _pipelined, _word
+    from zspeed.kernels._gemm import FMT_W4
+
+    q = quantize_int4(torch.randn(64, 256), group_size=128, scale_dtype=torch.bfloat16)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    _, _, launch = _word.wdot_launcher(x, q.qweight.view(torch.int32), q.scales, q.zeros, fmt=FMT_W4, group=128,
+                                      n=64, k=256)
+    seen = {}
+
+    def fake(x, words, s, z, **kw):
+        seen.update(kw)
+        return torch.zeros(x.shape[0], kw["n"], dtype=x.dtype)
+
+    for name in ("run_pipelined", "run_specialized", "run_fragment"):
+        monkeypatch.setattr(_pipelined, name, fake if name == launcher else
+                            (lambda *a, **k: pytest.fail(f"not {launcher} but another kernel ran")))
+    assert launch(config).shape == (3, 64)
+    return seen

@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 
-from tests.sm90_compile import SASS_OF_KERNEL, main_loop, run_compile_script
+from tests.sm90_compile import SASS_OF_KERNEL, launched_with, main_loop, run_compile_script
 from zspeed.kernels import _pipelined, _word
 from zspeed.kernels._gemm import FMT_W4, FMT_W8
 from zspeed.kernels._runtime import m_bucket
@@ -60,22 +60,8 @@ def test_possible_needs_the_pipelined_kernel_and_warp_specialize(monkeypatch):
 
 
 def test_a_specialized_config_launches_the_specialized_kernel(monkeypatch):
-    from zspeed.compress import quantize_int4
-
-    q = quantize_int4(torch.randn(64, 256), group_size=128, scale_dtype=torch.bfloat16)
-    x = torch.randn(3, 256, dtype=torch.bfloat16)
-    _, _, launch = _word.wdot_launcher(x, q.qweight.view(torch.int32), q.scales, q.zeros, fmt=FMT_W4, group=128,
-                                      n=64, k=256)
-    seen = {}
-
-    def fake(x, words, s, z, **kw):
-        seen.update(kw)
-        return torch.zeros(x.shape[0], kw["n"], dtype=x.dtype)
-
-    monkeypatch.setattr(_pipelined, "run_specialized", fake)
-    monkeypatch.setattr(_pipelined, "run_pipelined", lambda *a, **k: pytest.fail("the pipelined kernel ran"))
     c = _word.WordConfig(256, 64, 3, 1, 4, 5, 7, full_depth=True, order=3, pipelined=True, specialized=8)
-    assert launch(c).shape == (3, 64)
+    seen = launched_with(monkeypatch, c, "run_specialized")
     assert seen == dict(group=128, n=64, k=256, block_m=256, block_n=64, stages=5, q_stages=7, w_stages=3,
                         dq_warps=8, split_k=1, workspace=None)
 

@@ -1,0 +1,58 @@
+"""The register-operand INT4 kernel ([Note: fragment wdot] in kernels/_fragment_kernels.py) against the
+warp-specialized one, bit for bit: both dequantize ``(q - z) * s`` with one rounding and run the same ``wgmma``
+steps in the same order, so their outputs must be identical. On an sm_90 GPU:
+
+    python benchmarks/fragment_check.py
+
+Odd row and column counts, split-K (2 and 3 slices), symmetric and fp16; every output on NaN-filled memory.
+Prints one JSON line per case and ``ALL EXACT`` or the cases that differ.
+"""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from zspeed.compress import quantize_int4
+from zspeed.kernels import _word
+from zspeed.kernels._pipelined import run_fragment, run_specialized
+
+CASES = [  # (K, N, M, block_m, split_k, symmetric, dtype)
+    (8192, 8192, 256, 256, 1, False, torch.bfloat16),
+    (8192, 8192, 200, 128, 1, False, torch.bfloat16),
+    (4096 + 128, 1000, 77, 128, 1, False, torch.bfloat16),
+    (8192, 4096, 300, 256, 2, False, torch.bfloat16),
+    (28672, 8192, 256, 256, 2, False, torch.bfloat16),
+    (8192, 8192, 100, 128, 3, False, torch.bfloat16),
+    (8192, 8192, 512, 256, 1, True, torch.bfloat16),
+    (4096, 14336, 256, 256, 1, False, torch.float16),
+]
+
+
+def main() -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bad = []
+    for k, n, m, bm, sp, sym, dt in CASES:
+        w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.float32) * 0.02
+        q = quantize_int4(w, group_size=128, symmetric=sym, scale_dtype=dt)
+        words = q.qweight.view(torch.int32)
+        x = torch.randn(m, k, device="cuda", generator=g).to(dt)
+        ws = _word._stationary_workspace(x.device) if sp > 1 else None
+        outs = []
+        for fn, extra in ((run_fragment, {}), (run_specialized, dict(block_n=128))):
+            torch.empty(m, n, device="cuda", dtype=dt).fill_(float("nan"))  # the block the output most likely gets
+            outs.append(fn(x, words, q.scales, q.zeros, group=128, n=n, k=k, block_m=bm, stages=4, q_stages=8,
+                           split_k=sp, workspace=ws, **extra))
+        ref = x.float() @ q.dequantize(torch.float32).to(dt).float().t()
+        diff = int((outs[0] != outs[1]).sum())
+        err = ((outs[0].float() - ref).norm() / ref.norm()).item()
+        row = dict(k=k, n=n, m=m, block_m=bm, split_k=sp, symmetric=sym, dtype=str(dt), ndiff=diff,
+                   nan=bool(outs[0].isnan().any()), rel_err=err)
+        print(json.dumps(row), flush=True)
+        if diff or row["nan"] or not err < 1e-2:
+            bad.append(row)
+    print("ALL EXACT" if not bad else f"DIFFER: {bad}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""The INT4 GEMM for Hopper whose weights go into the ``wgmma`` from registers, written in Gluon.
+
+Imported lazily, like ``_specialized_kernels``; only on an sm_90 GPU with a Triton whose Gluon has
+``warp_specialize`` (``_pipelined.specialized_possible``).
+
+[Note: fragment wdot] The warp-specialized kernel ([Note: warp-specialized wdot] in ``_specialized_kernels``) writes
+each dequantized tile to shared memory, and its ``wgmma`` reads it back from there: 32 KB of a 256 x 128 x 64 tile's
+~130 KB of shared memory traffic, which is about what the SM can move at the tensor pipe's full rate. Here the
+MMA warp groups dequantize their own 64 weight rows straight into the registers of the ``wgmma``'s A operand:
+
+- the A fragment of ``m64nNk16`` gives lane ``4g + t`` of warp ``w`` rows ``16w + g`` and ``16w + g + 8``, columns
+  ``2t, 2t + 1, 2t + 8, 2t + 9`` of each 16-column step. Over a 64-column tile that is byte ``t`` of each of the
+  row's 8 INT4 words (word ``c`` holds columns ``8c .. 8c + 7``, two a byte). So every lane of a quad loads the
+  row's 8 words (the same addresses: one shared memory broadcast, four 16-byte loads a thread) and dequantizes byte
+  ``t`` of each into one bf16 pair, which is already a fragment register. The tensor is built as
+  ``(64, 8 words, 4 lanes t, 2 columns)`` in a linear layout whose bases are the fragment's, so that reshaping it to
+  ``(64, 64)`` and converting to the ``wgmma`` operand layout moves no data (sm_90 SASS: no shared-memory store or
+  shuffle in the loop);
+- a pair costs two shifts, two ``lop3`` (``128 + q`` in both halves), a ``sub`` of ``128 + z`` (exact) and a
+  ``mul`` by the scale: one rounding, as in [Note: packed INT4 dequantization] in ``_wmma_kernels``, so the output
+  is bit for bit the warp-specialized kernel's (``benchmarks/fragment_check.py``);
+- each of the two MMA warp groups is its own partition (``gl.warp_specialize``), on its own 64 of the program's
+  128 weight rows, and one loader warp keeps rings of word tiles and ``x`` blocks full by TMA. A slot is refilled
+  once both warp groups have released it: its ``empty`` mbarrier counts two arrives, one a warp group (an arrive is
+  its partition's first thread's, after the partition's own barrier);
+- a warp group retires each tile's ``wgmma`` before it dequantizes the next tile. The registers of the next
+  tile's fragments are the same as this one's (ptxas reuses them), and ptxas does not wait for an in-flight
+  ``wgmma`` that still reads them: with one in flight, as the other kernels do, the outputs were wrong (kernels run
+  84). Overlap comes from the two warp groups instead: while one dequantizes, the other's ``wgmma`` runs;
+- with split-K each warp group stores its rows' partial and sums them on its own counter (``2 tile + WG``).
+
+Measured on an H100 (benchmarks/RESULTS.md, kernels runs 86-88, over cuBLAS bf16): 1.11-1.23x at 128 rows,
+0.92-0.93x at 256, 0.74-0.82x at 512 and 0.75-0.83x at 1024, the fastest of the INT4 kernels in every cell.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+from ._pipelined_kernels import BK, BW, _cta_barrier, _split_tiles, _store_acc, _tma_load
+
+
+def _fragment_asm(magic: str, pair: str) -> str:
+    """``$0`` the pair of columns ``2t, 2t + 1`` of a word's byte ``t``: ``$1`` the word, ``$3`` ``8t``, ``$5`` the
+    scale and ``$7`` ``128 + z`` (fp16: ``1024 + z``) as 16-bit pairs ($2, $4, $6, $8 are their copies: pack 2)."""
+    return "\n".join(["{", ".reg .b32 d, h;", "shr.u32 d, $1, $3;", "shl.b32 h, d, 12;",
+                      f"lop3.b32 d, d, 0x0000000f, {magic}, 0xea;",  # (d & 0xf) | magic: 128 + low nibble, 128
+                      "lop3.b32 d, h, 0x000f0000, d, 0xea;",  # | the high nibble in the high half
+                      f"sub.rn.{pair} d, d, $7;", f"mul.rn.{pair} $0, d, $5;", "}"])
+
+
+_ASM_FRAG_BF16 = gl.constexpr(_fragment_asm("0x43004300", "bf16x2"))
+_ASM_FRAG_F16 = gl.constexpr(_fragment_asm("0x64006400", "f16x2"))
+_ASM_FRAG_IO = gl.constexpr("=r," + ",".join(["r"] * 8))
+
+
+@gluon.jit
+def _load_part(x_desc, w_desc, x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, off_m, off_n, t_lo, n_tiles,
+               XSTAGES: gl.constexpr, QSTAGES: gl.constexpr):
+    """The loader warp: words run ``QSTAGES - XSTAGES`` tiles ahead of ``x`` (they come from HBM, ``x`` mostly from
+    L2), each copy issued once its slot is free."""
+    LEAD: gl.constexpr = QSTAGES - XSTAGES
+    for i in range(n_tiles + LEAD):
+        if i < n_tiles:
+            qs = i % QSTAGES
+            mbarrier.wait(q_empty.index(qs), ((i // QSTAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
+            mbarrier.expect(q_ready.index(qs), w_desc.block_type.nbytes)
+            _tma_load(w_desc, [off_n, (t_lo + i) * BW], q_ready.index(qs), q_smem.index(qs))
+        j = i - LEAD
+        if j >= 0:
+            xs = j % XSTAGES
+            mbarrier.wait(x_empty.index(xs), ((j // XSTAGES) & 1) ^ 1)
+            mbarrier.expect(x_ready.index(xs), x_desc.block_type.nbytes)
+            _tma_load(x_desc, [off_m, (t_lo + j) * BK], x_ready.index(xs), x_smem.index(xs))
+
+
+@gluon.jit
+def _spread(v, like):
+    """A per-row vector ``(BN,)`` broadcast over ``like``'s ``(BN, 8, 4, 2)`` (registers only)."""
+    return gl.broadcast(gl.expand_dims(gl.expand_dims(gl.expand_dims(v, 1), 2), 3), like)[0]
+
+
+@gluon.jit
+def _group_pairs(s_ptr, z_ptr, rows, rmask, g, stride_sn, HAS_ZEROS: gl.constexpr, HALF: gl.constexpr):
+    """Group ``g``'s scales and ``128 + z`` (fp16: ``1024 + z``) of the rows, each as a 16-bit pair in an int32."""
+    s = gl.load(s_ptr + rows * stride_sn + g, mask=rmask, other=0.0)
+    if HAS_ZEROS:
+        z = gl.load(z_ptr + rows * stride_sn + g, mask=rmask, other=0).to(gl.float32)
+    else:
+        z = gl.full(s.shape, 8.0, gl.float32, s.type.layout)
+    base: gl.constexpr = 1024.0 if HALF else 128.0
+    zz = (z + base).to(s.dtype)
+    sb = s.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    zb = zz.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    return sb | (sb << 16), zb | (zb << 16)
+
+
+@gluon.jit
+def _consumer(x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, off_n,
+              off_m, M, N, K, t_lo, n_tiles, SPLIT_K, stride_sn, stride_om, WG: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr,
+              BLOCK_M: gl.constexpr, XSTAGES: gl.constexpr, QSTAGES: gl.constexpr):
+    """One MMA warp group (its own partition): weight rows ``off_n + 64 WG ..``, each tile's words -> A fragments in
+    registers -> ``wgmma``, retired before the next tile's fragments take the registers; then its rows of the
+    output."""
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, BLOCK_M, 16])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+    # (rows, words, lanes t, columns of a pair): the A fragment's bases ([Note: fragment wdot])
+    L4: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0], [8, 0, 0, 0]],
+        lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+        warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[64, BW, 4, 2])
+    L3: gl.constexpr = gl.SliceLayout(3, L4)
+    W_L: gl.constexpr = gl.SliceLayout(2, L3)  # (64, 8) words, every lane of a quad the row's all
+    R_L: gl.constexpr = gl.SliceLayout(1, W_L)  # (64,) per row
+    T_L: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, L3))  # (4,) per lane t
+    HALF: gl.constexpr = x_smem.dtype == gl.float16
+
+    row0 = off_n + WG * 64
+    rows = row0 + gl.arange(0, 64, layout=R_L)
+    rmask = rows < N
+    like = gl.zeros([64, BW, 4, 2], gl.int32, L4)
+    t_idx = gl.arange(0, 4, layout=T_L) * 8
+    shift = gl.broadcast(gl.expand_dims(gl.expand_dims(gl.expand_dims(t_idx, 0), 1), 3), like)[0]
+    TILES_PER_GROUP: gl.constexpr = GROUP // BK
+    groups = K // GROUP
+    g0 = t_lo // TILES_PER_GROUP
+    s_cur, z_cur = _group_pairs(s_ptr, z_ptr, rows, rmask, g0, stride_sn, HAS_ZEROS, HALF)
+    s_nxt, z_nxt = _group_pairs(s_ptr, z_ptr, rows, rmask, gl.minimum(g0 + 1, groups - 1), stride_sn, HAS_ZEROS,
+                                HALF)
+    acc = gl.zeros([64, BLOCK_M], gl.float32, acc_l)
+    for j in range(n_tiles):
+        t = t_lo + j
+        if (t % TILES_PER_GROUP == 0) & (j > 0):  # a new group: its scales were loaded a group ahead
+            s_cur, z_cur = s_nxt, z_nxt
+            s_nxt, z_nxt = _group_pairs(s_ptr, z_ptr, rows, rmask, gl.minimum(t // TILES_PER_GROUP + 1, groups - 1),
+                                        stride_sn, HAS_ZEROS, HALF)
+        qs = j % QSTAGES
+        mbarrier.wait(q_ready.index(qs), (j // QSTAGES) & 1)
+        w = q_smem.index(qs).slice(WG * 64, 64, dim=0).load(W_L)
+        w4 = gl.broadcast(gl.expand_dims(gl.expand_dims(w, 2), 3), like)[0]
+        if HALF:
+            f = gl.inline_asm_elementwise(_ASM_FRAG_F16, _ASM_FRAG_IO,
+                                          [w4, shift, _spread(s_cur, like), _spread(z_cur, like)],
+                                          dtype=gl.float16, is_pure=True, pack=2)
+        else:
+            f = gl.inline_asm_elementwise(_ASM_FRAG_BF16, _ASM_FRAG_IO,
+                                          [w4, shift, _spread(s_cur, like), _spread(z_cur, like)],
+                                          dtype=gl.bfloat16, is_pure=True, pack=2)
+        a = gl.convert_layout(gl.reshape(f, [64, BK]), a_l)
+        xs = j % XSTAGES
+        mbarrier.wait(x_ready.index(xs), (j // XSTAGES) & 1)
+        acc = warpgroup_mma(a, x_smem.index(xs).permute((1, 0)), acc, is_async=True)
+        # the next tile's fragments take this one's registers (ptxas reuses them even while a wgmma that reads
+        # them is in flight: kernels run 84), so the wgmma is retired here; the other warp group's runs meanwhile
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        _cta_barrier()  # this warp group: its words of the tile read, its wgmma retired
+        mbarrier.arrive(q_empty.index(qs))
+        mbarrier.arrive(x_empty.index(xs))
+    tile = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
+    _store_acc(acc, out_ptr, part_ptr, count_ptr, row0, off_m, M, N, SPLIT_K, stride_om, tile * 2 + WG, 64, BLOCK_M, 4)
+
+
+@gluon.jit
+def w4_fragment_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M, N, K, SPLIT_K, stride_sn,
+                       stride_om, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_M: gl.constexpr,
+                       XSTAGES: gl.constexpr, QSTAGES: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """``out[M, N] = x @ dequant(W)^T`` for INT4 words, ``x`` and scales in bf16 or fp16 ([Note: fragment wdot]).
+    Grid ``(cdiv(N, 128), cdiv(M, BLOCK_M), SPLIT_K)``; ``K`` a multiple of 64, ``GROUP`` of 64. ``num_warps`` is 4,
+    the first MMA warp group (weight rows 0-63 of the program's 128); the second and the loader warp come on top.
+    With split-K each warp group sums its own rows' partials, on its own counter (``2 tile + WG``)."""
+    off_n = gl.program_id(0) * 128
+    off_m = gl.program_id(1) * BLOCK_M
+    t_lo, n_tiles = _split_tiles(K, SPLIT_K)
+
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [XSTAGES, BLOCK_M, BK], x_desc.layout)
+    q_smem = gl.allocate_shared_memory(gl.int32, [QSTAGES, 128, BW], w_desc.layout)
+    x_ready = gl.allocate_shared_memory(gl.int64, [XSTAGES, 1], mbarrier.MBarrierLayout())
+    x_empty = gl.allocate_shared_memory(gl.int64, [XSTAGES, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [QSTAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [QSTAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(XSTAGES):
+        mbarrier.init(x_ready.index(i), count=1)
+        mbarrier.init(x_empty.index(i), count=2)  # one arrive per MMA warp group
+    for i in gl.static_range(QSTAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)
+
+    gl.warp_specialize([
+        (_consumer, (x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr,
+                     off_n, off_m, M, N, K, t_lo, n_tiles, SPLIT_K, stride_sn, stride_om, gl.constexpr(0), GROUP,
+                     HAS_ZEROS, BLOCK_M, XSTAGES, QSTAGES)),
+        (_consumer, (x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr,
+                     off_n, off_m, M, N, K, t_lo, n_tiles, SPLIT_K, stride_sn, stride_om, gl.constexpr(1), GROUP,
+                     HAS_ZEROS, BLOCK_M, XSTAGES, QSTAGES)),
+        (_load_part, (x_desc, w_desc, x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, off_m, off_n, t_lo, n_tiles,
+                      XSTAGES, QSTAGES)),
+    ], [4, 1], [MMA_REGS, 24])
+    for i in gl.static_range(XSTAGES):
+        mbarrier.invalidate(x_ready.index(i))
+        mbarrier.invalidate(x_empty.index(i))
+    for i in gl.static_range(QSTAGES):
+        mbarrier.invalidate(q_ready.index(i))
+        mbarrier.invalidate(q_empty.index(i))

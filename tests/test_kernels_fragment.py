@@ -1,0 +1,120 @@
+"""The INT4 GEMM for Hopper that dequantizes into the ``wgmma``'s register operand ([Note: fragment wdot] in
+kernels/_fragment_kernels.py), a Gluon kernel that the CPU interpreter cannot run. Here: when the tuner offers it,
+how a config reaches it, bad arguments, and that it compiles for sm_90 into the schedule it exists for: the MMA loop
+takes the weights from registers (no shared-memory store of dequantized weights, one 16-byte load per word row),
+retires each ``wgmma`` before the next tile's fragments take its registers, has no spills, and every mbarrier arrive
+follows its warp group's own barrier. Its values are checked on the GPU: ``benchmarks/fragment_check.py`` (bit for
+bit against the warp-specialized kernel) and ``benchmarks/wdot_tiles.py --fragment`` (against the reference,
+outputs on NaN-filled memory): benchmarks/RESULTS.md, kernels runs 84-86."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from tests.sm90_compile import SASS_OF_KERNEL, launched_with, main_loop, run_compile_script
+from zspeed.kernels import _pipelined, _word
+from zspeed.kernels._gemm import FMT_W4, FMT_W8
+from zspeed.kernels._runtime import m_bucket
+
+
+def test_offered_for_packed_int4_from_the_128_row_bucket(monkeypatch):
+    monkeypatch.setattr(_word, "interpreting", lambda: False)
+    monkeypatch.setattr(_word, "_sm_count", lambda index: 132)
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(_pipelined, "pipelined_possible", lambda device, *, group, k: True)
+    monkeypatch.setattr(_pipelined, "specialized_possible", lambda device, *, group, k: True)
+    for m in (1, 64, 65, 128, 256, 700):
+        got = [c for c in _word.full_depth_candidates(FMT_W4, m, 8192, 1024, 128, gpu, packed=1) if c.fragment]
+        if m_bucket(m) < 128:
+            assert m <= 64 and not got
+            continue
+        assert {c.block_m for c in got} == ({128} if m_bucket(m) == 128 else {128, 256})
+        assert all(c.pipelined and c.block_n == 128 and c.warps == 8 and c.block_w == 8 and c.prefetch == 8
+                   and c.fixup == (c.split_k > 1) and not c.specialized for c in got)
+    # 8192 weight rows at 256 rows: 64 programs of 256 x 128 fill half the SMs, so also split in two
+    got = [c for c in _word.full_depth_candidates(FMT_W4, 256, 8192, 1024, 128, gpu, 1) if c.fragment]
+    assert {(c.block_m, c.split_k) for c in got} == {(128, 1), (256, 1), (256, 2)}
+    assert any(c.fragment for c in _word.full_depth_candidates(FMT_W4, 256, 8192, 1024, 128, gpu, 2))  # fp16
+    assert not any(c.fragment for c in _word.full_depth_candidates(FMT_W8, 256, 8192, 2048, 0, gpu, half_x=True))
+    assert not any(c.fragment for c in _word.full_depth_candidates(FMT_W4, 256, 8192, 1024, 128, gpu, 0))
+    monkeypatch.setattr(_pipelined, "specialized_possible", lambda device, *, group, k: False)  # no warp_specialize
+    got = _word.full_depth_candidates(FMT_W4, 256, 8192, 1024, 128, gpu, packed=1)
+    assert got and not any(c.fragment for c in got)
+
+
+def test_a_fragment_config_launches_the_fragment_kernel(monkeypatch):
+    c = _word.WordConfig(256, 128, 8, 1, 8, 5, 7, full_depth=True, order=3, pipelined=True, fragment=True)
+    seen = launched_with(monkeypatch, c, "run_fragment")
+    assert seen == dict(group=128, n=64, k=256, block_m=256, stages=5, q_stages=7, split_k=1, workspace=None)
+
+
+def test_split_k_without_a_workspace_is_refused_before_launch():
+    x = torch.zeros(4, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="needs the fix-up workspace"):
+        _pipelined.run_fragment(x, torch.zeros(64, 16, dtype=torch.int32), torch.zeros(64, 1, dtype=torch.bfloat16),
+                                None, group=128, n=64, k=128, block_m=128, stages=4, q_stages=8, split_k=2)
+
+
+_COMPILE = r'''
+import json, os, re, subprocess, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.jit import mangle_type
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+opts = json.loads(sys.argv[1])
+from zspeed.kernels import _fragment_kernels as P
+bm, half = opts["BM"], opts["HALF"]
+dt, tdt = (gl.float16, torch.float16) if half else (gl.bfloat16, torch.bfloat16)
+m, n, k = 256, 8192, 8192
+x = torch.empty(m, k, dtype=tdt)
+w = torch.empty(n, k // 8, dtype=torch.int32)
+args = dict(x_desc=TensorDescriptor(x, [m, k], [k, 1], [bm, 64], gl.NVMMASharedLayout.get_default_for([bm, 64], dt)),
+            w_desc=TensorDescriptor(w, list(w.shape), [w.shape[1], 1], [128, 8],
+                                    gl.NVMMASharedLayout.get_default_for([128, 8], gl.int32)),
+            s_ptr=torch.empty(1, dtype=tdt), z_ptr=torch.empty(1, dtype=torch.uint8),
+            out_ptr=torch.empty(1, dtype=tdt), part_ptr=torch.empty(1, dtype=torch.float32),
+            count_ptr=torch.empty(1, dtype=torch.int32), M=m, N=n, K=k, SPLIT_K=2, stride_sn=64, stride_om=n)
+sig = {name: mangle_type(v) for name, v in args.items()}
+const = dict(GROUP=128, HAS_ZEROS=True, BLOCK_M=bm, XSTAGES=4, QSTAGES=8, MMA_REGS=232, num_warps=4)
+sig.update({name: "constexpr" for name in const})
+kernel = triton.compile(GluonASTSource(P.w4_fragment_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": 4})
+''' + SASS_OF_KERNEL + r'''fixup = ptx[ptx.find("atom.global.gpu.acq_rel"):]
+arrives = [re.findall(r"(?:bar|barrier)\.sync\s+[^;]*;", ptx[:i])[-1]
+           for i in [mm.start() for mm in re.finditer(r"mbarrier\.arrive\.shared::cta\.b64", ptx)]]
+print(json.dumps({"code": [[int(a, 16), op, rest.strip()] for a, op, rest in code], "shared": kernel.metadata.shared,
+                  "fixup": {"loads": fixup.count("ld.global.cg"), "stores": fixup.count("st.global")},
+                  "arrives": arrives}))
+'''
+
+
+@pytest.mark.parametrize("bm,half", [(256, False), (128, False), (256, True)])
+def test_compiles_for_hopper_with_the_weights_in_registers(tmp_path, bm, half):
+    if not _pipelined._gluon_ok():
+        pytest.skip("this triton has no Gluon for Hopper")
+    cubin = tmp_path / f"fragment_{bm}_{half}.cubin"
+    got = run_compile_script(_COMPILE, [json.dumps(dict(BM=bm, HALF=half)), str(cubin)], tmp_path)
+    code = got["code"]
+    assert not [op for _, op, _ in code if op.startswith(("STL", "LDL"))]  # no spills in any partition
+    assert any(op.startswith("USETMAXREG") for _, op, _ in code)
+    loop = main_loop(code)
+    ops = [op for _, op, _ in loop]
+    mmas = [rest for _, op, rest in loop if op.startswith("HGMMA")]
+    assert len(mmas) == 4  # 64 columns a tile: four k16 steps
+    assert all(re.search(r"\sR\d+, R\d+, gdesc", rest) for rest in mmas)  # A from registers, B from shared memory
+    assert [rest for _, op, rest in loop if op.startswith("WARPGROUP.DEPBAR")] == ["gsb0, 0x0"]  # retired in turn
+    assert not any(op.startswith("STS") for op in ops)  # dequantized weights never go to shared memory
+    assert [op for op in ops if op.startswith("LDS")] == ["LDS.128"] * 4  # a thread's two rows of 8 words
+    # a tile is 16 pairs a thread: one mul each (and one sub each; the scales' update may add an HADD2)
+    assert sum(op.startswith("HMUL2") for op in ops) == 16 and sum(op.startswith("HADD2") for op in ops) >= 16
+    # two arrives (words, x) in each MMA warp group's partition, each after that warp group's own barrier
+    ids = [re.fullmatch(r"bar\.sync\s+(\d+),\s*128;", a) for a in got["arrives"]]
+    assert len(ids) == 4 and all(ids) and len({i.group(1) for i in ids}) == 2
+    assert got["shared"] <= 232448
+    assert got["fixup"]["loads"] > 0 and got["fixup"]["stores"] > 0
