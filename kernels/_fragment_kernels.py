@@ -23,10 +23,13 @@ MMA warp groups dequantize their own 64 weight rows straight into the registers 
   128 weight rows, and one loader warp keeps rings of word tiles and ``x`` blocks full by TMA. A slot is refilled
   once both warp groups have released it: its ``empty`` mbarrier counts two arrives, one a warp group (an arrive is
   its partition's first thread's, after the partition's own barrier);
-- a warp group retires each tile's ``wgmma`` before it dequantizes the next tile. The registers of the next
-  tile's fragments are the same as this one's (ptxas reuses them), and ptxas does not wait for an in-flight
-  ``wgmma`` that still reads them: with one in flight, as the other kernels do, the outputs were wrong (kernels run
-  84). Overlap comes from the two warp groups instead: while one dequantizes, the other's ``wgmma`` runs;
+- a warp group retires each tile's ``wgmma`` before it dequantizes the next tile. A first version kept one in
+  flight, as the other kernels do, with both warp groups in one partition: ptxas wrote the next tile's fragments to
+  the registers the in-flight ``HGMMA`` was reading (R152-R167, ``WARPGROUP.DEPBAR.LE gsb0, 0x1``) and the outputs
+  were wrong in every config with two warp groups (kernels run 84). With the warp groups as separate partitions,
+  one in flight makes ptxas serialize every ``HGMMA`` instead ("insufficient register resources", even with
+  128-row blocks; sm_90 compile). Overlap comes from the two warp groups: while one dequantizes, the other's
+  ``wgmma`` runs;
 - with split-K each warp group stores its rows' partial and sums them on its own counter (``2 tile + WG``).
 
 Measured on an H100 (benchmarks/RESULTS.md, kernels runs 86-88, over cuBLAS bf16): 1.11-1.23x at 128 rows,

@@ -411,7 +411,9 @@ def _under_wave(progs: int, sms: int) -> int:
 
 def fragment_candidates(m: int, n: int, kw: int, sms: int) -> list[WordConfig]:
     """The register-operand INT4 kernel's configs ([Note: fragment wdot] in ``_fragment_kernels``): each tile whole,
-    and split just under one wave where the tiles leave SMs idle (a counter for each warp group's rows)."""
+    and split just under one wave where the tiles leave SMs idle (a counter for each warp group's rows). Splitting to
+    fill a short last wave (8192x28672 at 512 rows: 448 programs, 85 % of 4 waves) would need partials of 29 M
+    floats, past the fix-up workspace."""
     out = []
     for bm, xs in FRAGMENT_TILES:
         if bm > max(FRAGMENT_MIN_M, m_bucket(m)):
