@@ -389,8 +389,7 @@ def full_depth_candidates(fmt: int, m: int, n: int, kw: int, group: int, device:
                 if bm > mb:
                     continue
                 progs = cdiv(m, bm) * cdiv(n, bn)
-                under = 1 << max(0, (sms // progs).bit_length() - 1) if progs < sms else 1  # just under a wave
-                for sp in sorted(set(_splits(progs, kw // 8, sms)) | {under}):
+                for sp in sorted(set(_splits(progs, kw // 8, sms)) | {_under_wave(progs, sms)}):
                     if sp == 1 or _fixup_fits(m, n, sp, bm, bn):
                         out.append(WordConfig(bm, bn, 64 // CPW[fmt], sp, bn // 16, xs, qs, full_depth=True, order=3,
                                               pipelined=True, fixup=sp > 1))
@@ -733,13 +732,11 @@ def wdot_launcher(x, words, s, z, *, fmt: int, group: int, n: int, k: int):
 
     def launch(c: WordConfig) -> torch.Tensor:  # the plane-major copy, where read, is timed with the kernel
         if c.pipelined:
-            from ._pipelined import run_pipelined, run_specialized
+            from ._pipelined import run_fragment, run_pipelined, run_specialized
 
             ws = _stationary_workspace(x.device) if c.split_k > 1 else None
             fits = ws is not None and _fixup_fits(m, n, c.split_k, c.block_m, c.block_n)
             if c.fragment:
-                from ._pipelined import run_fragment
-
                 fits = ws is not None and _fixup_fits(m, n, c.split_k, c.block_m, 64)  # a counter per warp group
                 return run_fragment(x, words, s, z, group=group, n=n, k=k, block_m=c.block_m, stages=c.stages,
                                     q_stages=c.prefetch, split_k=c.split_k if fits else 1,
