@@ -5,7 +5,9 @@ steps in the same order, so their outputs must be identical. On an sm_90 GPU:
     python benchmarks/fragment_check.py
 
 Odd row and column counts, split-K (2 and 3 slices), symmetric and fp16; every output on NaN-filled memory.
-Prints one JSON line per case and ``ALL EXACT`` or the cases that differ.
+Then the tail split ([Note: tail split]): each tile it runs whole must equal the unsplit kernel's output and each
+tile it splits the uniformly split kernel's, bit for bit. Prints one JSON line per case and ``ALL EXACT`` or the
+cases that differ.
 """
 from __future__ import annotations
 
@@ -26,6 +28,12 @@ CASES = [  # (K, N, M, block_m, split_k, symmetric, dtype)
     (8192, 8192, 100, 128, 3, False, torch.bfloat16),
     (8192, 8192, 512, 256, 1, True, torch.bfloat16),
     (4096, 14336, 256, 256, 1, False, torch.float16),
+]
+
+TAIL_CASES = [  # (K, N, M, block_m, split_k, whole tiles, symmetric, dtype)
+    (8192, 28672, 512, 256, 2, 396, False, torch.bfloat16),  # what the tuner offers on 132 SMs
+    (4096 + 128, 1000, 300, 128, 3, 16, False, torch.bfloat16),  # 24 tiles, odd edges
+    (8192, 4096, 700, 256, 5, 3, True, torch.float16),  # 96 tiles
 ]
 
 
@@ -50,6 +58,30 @@ def main() -> None:
                    nan=bool(outs[0].isnan().any()), rel_err=err)
         print(json.dumps(row), flush=True)
         if diff or row["nan"] or not err < 1e-2:
+            bad.append(row)
+    for k, n, m, bm, sp, whole, sym, dt in TAIL_CASES:
+        w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.float32) * 0.02
+        q = quantize_int4(w, group_size=128, symmetric=sym, scale_dtype=dt)
+        words = q.qweight.view(torch.int32)
+        x = torch.randn(m, k, device="cuda", generator=g).to(dt)
+        tiles_n, tiles_m = -(-n // 128), -(-m // bm)
+        # room for the uniform split's partials (every tile), past the tuner's workspace for the large case
+        ws = (torch.empty(tiles_n * tiles_m * sp * 128 * bm, device="cuda"),
+              torch.zeros(2 * tiles_n * tiles_m, device="cuda", dtype=torch.int32))
+        args = dict(group=128, n=n, k=k, block_m=bm, stages=4, q_stages=8, workspace=ws)
+        torch.empty(m, n, device="cuda", dtype=dt).fill_(float("nan"))
+        got = run_fragment(x, words, q.scales, q.zeros, split_k=sp, whole=whole, **args)
+        one = run_fragment(x, words, q.scales, q.zeros, split_k=1, **args)
+        split = run_fragment(x, words, q.scales, q.zeros, split_k=sp, whole=0, **args)
+        tile = ((torch.arange(m, device="cuda") // bm)[:, None] * tiles_n
+                + (torch.arange(n, device="cuda") // 128)[None, :])  # each output element's tile number
+        want = torch.where(tile < whole, one, split)
+        diff = int((got != want).sum())
+        row = dict(k=k, n=n, m=m, block_m=bm, split_k=sp, whole=whole, tiles=tiles_n * tiles_m, symmetric=sym,
+                   dtype=str(dt), ndiff=diff, nan=bool(got.isnan().any()),
+                   split_differs=int((one != split).sum()))  # > 0: the check can tell the two apart
+        print(json.dumps(row), flush=True)
+        if diff or row["nan"] or not row["split_differs"]:
             bad.append(row)
     print("ALL EXACT" if not bad else f"DIFFER: {bad}")
 

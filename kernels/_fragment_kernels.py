@@ -32,6 +32,17 @@ MMA warp groups dequantize their own 64 weight rows straight into the registers 
   ``wgmma`` runs;
 - with split-K each warp group stores its rows' partial and sums them on its own counter (``2 tile + WG``).
 
+[Note: tail split] One program runs one tile; at 512 rows and more there are more tiles than SMs, and the last
+wave can be short: 8192 x 28672 at 512 rows has 448 tiles of 128 x 256, 3.4 waves on 132 SMs, so for the last
+quarter of the time 80 SMs idle (kernels run 90). Splitting every tile's ``K`` to fill that wave would need 29 M fp32
+partials, past the fix-up workspace. So the grid is 1-D: the tiles of the whole waves come first and run whole; each
+tile of the last wave runs in ``SPLIT_K`` slices of ``K``, as many as the SMs that wave leaves free allow (52 tiles
+in two slices: 104 programs of half a tile, where 52 whole tiles took a full tile's time). Only those tiles keep
+partials, each warp group's in a compact ``64 x BLOCK_M`` block per slice (3.4 M floats in the example), summed by
+the tile's last slice in slice order as every split-K fix-up here ([Note: split-K fix-up] in ``_word``). Tiles are
+numbered weight-row block first, as the 2-D grid was, and whole tiles launch before split ones. With no whole tiles
+(``WHOLE = 0``) every tile is split: the uniform split-K that fills a grid of less than one wave.
+
 Measured on an H100 (benchmarks/RESULTS.md, kernels runs 86-88, over cuBLAS bf16): 1.11-1.23x at 128 rows,
 0.92-0.93x at 256, 0.74-0.82x at 512 and 0.75-0.83x at 1024, the fastest of the INT4 kernels in every cell.
 """
@@ -101,8 +112,9 @@ def _group_pairs(s_ptr, z_ptr, rows, rmask, g, stride_sn, HAS_ZEROS: gl.constexp
 
 @gluon.jit
 def _consumer(x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, off_n,
-              off_m, M, N, K, t_lo, n_tiles, SPLIT_K, stride_sn, stride_om, WG: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr,
-              BLOCK_M: gl.constexpr, XSTAGES: gl.constexpr, QSTAGES: gl.constexpr):
+              off_m, M, N, K, t_lo, n_tiles, tile, k_slice, split, p_tile, stride_sn, stride_om, WG: gl.constexpr,
+              GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_M: gl.constexpr, XSTAGES: gl.constexpr,
+              QSTAGES: gl.constexpr):
     """One MMA warp group (its own partition): weight rows ``off_n + 64 WG ..``, each tile's words -> A fragments in
     registers -> ``wgmma``, retired before the next tile's fragments take the registers; then its rows of the
     output."""
@@ -161,21 +173,32 @@ def _consumer(x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, 
         _cta_barrier()  # this warp group: its words of the tile read, its wgmma retired
         mbarrier.arrive(q_empty.index(qs))
         mbarrier.arrive(x_empty.index(xs))
-    tile = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
-    _store_acc(acc, out_ptr, part_ptr, count_ptr, row0, off_m, M, N, SPLIT_K, stride_om, tile * 2 + WG, 64, BLOCK_M, 4)
+    p_slice = 64 * BLOCK_M  # a compact partial block per warp group, slice and split tile ([Note: tail split])
+    _store_acc(acc, out_ptr, part_ptr, count_ptr, row0, off_m, M, N, split, stride_om, tile * 2 + WG, k_slice,
+               (p_tile * 2 + WG) * split * p_slice, p_slice, 64, 64, BLOCK_M, 4)
 
 
 @gluon.jit
-def w4_fragment_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M, N, K, SPLIT_K, stride_sn,
-                       stride_om, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_M: gl.constexpr,
+def w4_fragment_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M, N, K, WHOLE, SPLIT_K,
+                       stride_sn, stride_om, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_M: gl.constexpr,
                        XSTAGES: gl.constexpr, QSTAGES: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr):
     """``out[M, N] = x @ dequant(W)^T`` for INT4 words, ``x`` and scales in bf16 or fp16 ([Note: fragment wdot]).
-    Grid ``(cdiv(N, 128), cdiv(M, BLOCK_M), SPLIT_K)``; ``K`` a multiple of 64, ``GROUP`` of 64. ``num_warps`` is 4,
-    the first MMA warp group (weight rows 0-63 of the program's 128); the second and the loader warp come on top.
-    With split-K each warp group sums its own rows' partials, on its own counter (``2 tile + WG``)."""
-    off_n = gl.program_id(0) * 128
-    off_m = gl.program_id(1) * BLOCK_M
-    t_lo, n_tiles = _split_tiles(K, SPLIT_K)
+    Tiles of 128 weight rows x ``BLOCK_M`` rows of ``x``, numbered weight-row block first; the first ``WHOLE`` run
+    whole, each of the others in ``SPLIT_K`` slices of ``K`` ([Note: tail split]): a 1-D grid of ``WHOLE + (tiles -
+    WHOLE) SPLIT_K`` programs. ``K`` a multiple of 64, ``GROUP`` of 64. ``num_warps`` is 4, the first MMA warp group
+    (weight rows 0-63 of the program's 128); the second and the loader warp come on top. A split tile's warp groups
+    each sum their own rows' partials, on their own counters (``2 tile + WG``)."""
+    pid = gl.program_id(0)
+    tail = (pid >= WHOLE).to(gl.int32)
+    r = gl.maximum(pid - WHOLE, 0)
+    p_tile = r // SPLIT_K  # the tile's number among the split ones
+    tile = pid + tail * (WHOLE + p_tile - pid)
+    k_slice = r % SPLIT_K
+    split = 1 + tail * (SPLIT_K - 1)
+    row_blocks = gl.cdiv(N, 128)
+    off_n = (tile % row_blocks) * 128
+    off_m = (tile // row_blocks) * BLOCK_M
+    t_lo, n_tiles = _split_tiles(K, split, k_slice)
 
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [XSTAGES, BLOCK_M, BK], x_desc.layout)
     q_smem = gl.allocate_shared_memory(gl.int32, [QSTAGES, 128, BW], w_desc.layout)
@@ -192,11 +215,11 @@ def w4_fragment_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_pt
 
     gl.warp_specialize([
         (_consumer, (x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr,
-                     off_n, off_m, M, N, K, t_lo, n_tiles, SPLIT_K, stride_sn, stride_om, gl.constexpr(0), GROUP,
-                     HAS_ZEROS, BLOCK_M, XSTAGES, QSTAGES)),
+                     off_n, off_m, M, N, K, t_lo, n_tiles, tile, k_slice, split, p_tile, stride_sn, stride_om,
+                     gl.constexpr(0), GROUP, HAS_ZEROS, BLOCK_M, XSTAGES, QSTAGES)),
         (_consumer, (x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr,
-                     off_n, off_m, M, N, K, t_lo, n_tiles, SPLIT_K, stride_sn, stride_om, gl.constexpr(1), GROUP,
-                     HAS_ZEROS, BLOCK_M, XSTAGES, QSTAGES)),
+                     off_n, off_m, M, N, K, t_lo, n_tiles, tile, k_slice, split, p_tile, stride_sn, stride_om,
+                     gl.constexpr(1), GROUP, HAS_ZEROS, BLOCK_M, XSTAGES, QSTAGES)),
         (_load_part, (x_desc, w_desc, x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, off_m, off_n, t_lo, n_tiles,
                       XSTAGES, QSTAGES)),
     ], [4, 1], [MMA_REGS, 24])

@@ -154,18 +154,31 @@ def _fragment_kernels():
 
 
 def run_fragment(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, *, group: int,
-                 n: int, k: int, block_m: int, stages: int, q_stages: int, split_k: int = 1,
+                 n: int, k: int, block_m: int, stages: int, q_stages: int, split_k: int = 1, whole: int = 0,
                  workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The INT4 kernel that dequantizes into the ``wgmma``'s register operand ([Note: fragment wdot] in
     ``_fragment_kernels``): 128 weight rows a program in two MMA warp groups, one loader warp; other arguments as
-    :func:`run_pipelined` (with split-K two counters a tile)."""
+    :func:`run_pipelined`. With ``split_k > 1`` the tiles after the first ``whole`` (numbered weight-row block first)
+    each run in ``split_k`` slices of ``K`` ([Note: tail split]), their partials ``(tiles - whole) x split_k x 128 x
+    block_m`` floats in ``workspace``, two counters a tile."""
+    tiles = cdiv(n, 128) * cdiv(x.shape[0], block_m)
+    if split_k < 1 or not 0 <= whole <= tiles:
+        raise ValueError(f"run_fragment: split_k must be >= 1 (got {split_k}) and whole within 0..{tiles} tiles "
+                         f"(got {whole})")
     if split_k > 1 and workspace is None:
         raise ValueError("run_fragment: split_k > 1 needs the fix-up workspace (partials, counters)")
+    if split_k > 1 and ((tiles - whole) * split_k * 128 * block_m > workspace[0].numel()
+                        or 2 * tiles > workspace[1].numel()):
+        raise ValueError(f"run_fragment: {tiles - whole} split tiles x {split_k} slices need "
+                         f"{(tiles - whole) * split_k * 128 * block_m} partial sums and {2 * tiles} counters; the "
+                         f"workspace has {workspace[0].numel()} and {workspace[1].numel()}: split fewer tiles")
     m = x.shape[0]
     x_desc, w_desc, out, _ = _operands(x, words, n=n, k=k, block_m=block_m, block_n=128, wpt=TILE_K // 8)
     parts, counters = workspace if split_k > 1 else (out, words)
-    _fragment_kernels().w4_fragment_kernel[(cdiv(n, 128), cdiv(m, block_m), split_k)](
-        x_desc, w_desc, s, z if z is not None else s, out, parts, counters, m, n, k, split_k, s.stride(0),
+    if split_k == 1:  # every tile whole; SPLIT_K is then unused, and a 1 (which Triton would make a constant)
+        whole, split_k = tiles, 2  # fails to compile in Triton 3.6's Gluon
+    _fragment_kernels().w4_fragment_kernel[(whole + (tiles - whole) * split_k, )](
+        x_desc, w_desc, s, z if z is not None else s, out, parts, counters, m, n, k, whole, split_k, s.stride(0),
         out.stride(0), GROUP=group, HAS_ZEROS=z is not None, BLOCK_M=block_m, XSTAGES=stages, QSTAGES=q_stages,
         MMA_REGS=232, num_warps=4)
     return out

@@ -193,21 +193,24 @@ def _dequant8_to(buf, w, DTYPE: gl.constexpr):
 
 
 @gluon.jit
-def _split_tiles(K, SPLIT_K):
-    """``(t_lo, n_tiles)``: this program's slice of ``K``'s 64-column tiles, ``t_lo .. t_lo + n_tiles - 1``."""
+def _split_tiles(K, SPLIT_K, k_slice):
+    """``(t_lo, n_tiles)``: slice ``k_slice`` of ``SPLIT_K`` of ``K``'s 64-column tiles, ``t_lo .. t_lo + n_tiles -
+    1``."""
     n_all = K // BK
     per_split = gl.cdiv(n_all, SPLIT_K)
-    t_lo = gl.program_id(2) * per_split
+    t_lo = k_slice * per_split
     return t_lo, gl.maximum(gl.minimum(per_split, n_all - t_lo), 0)
 
 
 @gluon.jit
-def _store_acc(acc, out_ptr, part_ptr, count_ptr, off_n, off_m, M, N, SPLIT_K, stride_om, tile_id,
-               BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
+def _store_acc(acc, out_ptr, part_ptr, count_ptr, off_n, off_m, M, N, SPLIT_K, stride_om, tile_id, k_slice, p_base,
+               p_slice, p_row, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
     """The tile's ``acc^T`` (weight rows x rows of ``x``) into ``out``, or with split-K its partial into ``part_ptr``,
     the tile's last split summing the partials in split order ([Note: split-K fix-up] in ``_word``), 32 rows of
     ``x`` at a time so that the accumulator and a partial are never both in registers. ``tile_id`` picks the
-    tile's counter; ``num_warps`` are the warps that hold ``acc``."""
+    tile's counter; ``num_warps`` are the warps that hold ``acc``. Slice ``k_slice``'s partial of output element
+    ``(off_m + i, off_n + j)`` is at ``p_base + k_slice p_slice + i p_row + j``: ``(off_m N + off_n, M N, N)`` keeps
+    partials in the output's shape, a compact block per tile takes only the tiles that are split."""
     acc_l: gl.constexpr = acc.type.layout
     offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
     offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, acc_l))
@@ -215,8 +218,8 @@ def _store_acc(acc, out_ptr, part_ptr, count_ptr, off_n, off_m, M, N, SPLIT_K, s
     if SPLIT_K == 1:
         gl.store(out_ptr + offs_m[None, :] * stride_om + offs_n[:, None], acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        tile = offs_m[None, :] * N + offs_n[:, None]
-        gl.store(part_ptr + gl.program_id(2) * M * N + tile, acc, mask=mask)
+        tile = p_base + (offs_m - off_m)[None, :] * p_row + (offs_n - off_n)[:, None]
+        gl.store(part_ptr + k_slice * p_slice + tile, acc, mask=mask)
         _cta_barrier()
         counter = count_ptr + tile_id
         done = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
@@ -228,10 +231,10 @@ def _store_acc(acc, out_ptr, part_ptr, count_ptr, off_n, off_m, M, N, SPLIT_K, s
             for mb in gl.static_range(BLOCK_M // FIX_M):
                 fm = off_m + mb * FIX_M + gl.arange(0, FIX_M, layout=gl.SliceLayout(0, fix_l))
                 fmask = (fn < N)[:, None] & (fm < M)[None, :]
-                ftile = fm[None, :] * N + fn[:, None]
+                ftile = p_base + (fm - off_m)[None, :] * p_row + (fn - off_n)[:, None]
                 total = gl.zeros([BLOCK_N, FIX_M], gl.float32, fix_l)
                 for k0 in range(0, SPLIT_K):
-                    total += gl.load(part_ptr + k0 * M * N + ftile, mask=fmask, other=0.0, cache_modifier=".cg")
+                    total += gl.load(part_ptr + k0 * p_slice + ftile, mask=fmask, other=0.0, cache_modifier=".cg")
                 gl.store(out_ptr + fm[None, :] * stride_om + fn[:, None], total.to(out_ptr.dtype.element_ty),
                          mask=fmask)
             gl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
@@ -248,7 +251,7 @@ def w4_pipelined_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_p
     ([Note: split-K fix-up] in ``_word``)."""
     off_n = gl.program_id(0) * BLOCK_N
     off_m = gl.program_id(1) * BLOCK_M
-    t_lo, n_tiles = _split_tiles(K, SPLIT_K)
+    t_lo, n_tiles = _split_tiles(K, SPLIT_K, gl.program_id(2))
     groups = K // GROUP
 
     WPT: gl.constexpr = 2 * BW if INT8 else BW  # words per tile row: 64 columns, 4 (INT8) or 8 (INT4) a word
@@ -327,4 +330,5 @@ def w4_pipelined_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_p
         offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_l))
         acc = acc * gl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32)[:, None]
     _store_acc(acc, out_ptr, part_ptr, count_ptr, off_n, off_m, M, N, SPLIT_K, stride_om,
-               gl.program_id(1) * gl.num_programs(0) + gl.program_id(0), BLOCK_N, BLOCK_M, num_warps)
+               gl.program_id(1) * gl.num_programs(0) + gl.program_id(0), gl.program_id(2), off_m * N + off_n, M * N, N,
+               BLOCK_N, BLOCK_M, num_warps)

@@ -128,7 +128,7 @@ def w4_specialized_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count
     MMA warp groups), the loader warp and ``DQ_WARPS`` dequantizing warps come on top."""
     off_n = gl.program_id(0) * BLOCK_N
     off_m = gl.program_id(1) * BLOCK_M
-    t_lo, n_tiles = _split_tiles(K, SPLIT_K)
+    t_lo, n_tiles = _split_tiles(K, SPLIT_K, gl.program_id(2))
 
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [XSTAGES, BLOCK_M, BK], x_desc.layout)
     q_smem = gl.allocate_shared_memory(gl.int32, [QSTAGES, BLOCK_N, BW], w_desc.layout)
@@ -160,4 +160,5 @@ def w4_specialized_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count
         mbarrier.invalidate(w_empty.index(i))
 
     _store_acc(acc, out_ptr, part_ptr, count_ptr, off_n, off_m, M, N, SPLIT_K, stride_om,
-               gl.program_id(1) * gl.num_programs(0) + gl.program_id(0), BLOCK_N, BLOCK_M, num_warps)
+               gl.program_id(1) * gl.num_programs(0) + gl.program_id(0), gl.program_id(2), off_m * N + off_n, M * N, N,
+               BLOCK_N, BLOCK_M, num_warps)

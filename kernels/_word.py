@@ -108,6 +108,8 @@ class WordConfig:
     # ([Note: warp-specialized wdot] in _specialized_kernels); block_w is then its number of dequantized buffers
     fragment: bool = False  # pipelined INT4: the kernel that dequantizes into the wgmma's register operand ([Note:
     # fragment wdot] in _fragment_kernels)
+    tail: bool = False  # fragment: split_k slices only the tiles of the grid's last, partial wave ([Note: tail
+    # split] in _fragment_kernels)
     sparse_mma: bool = False  # gemv, 2:4 (plain or + INT4) with bf16 x on sm_80+: the Gluon kernels on sparse tensor
     # cores ([Note: 2:4 GEMV on sparse tensor cores] in _sparse_mma_kernels); block_w / 8 32-column tiles per slice of
     # K, split_k slices, row_blocks blocks of 16 x warps weight rows per program, prefetch blocks loaded ahead (0:
@@ -409,19 +411,50 @@ def _under_wave(progs: int, sms: int) -> int:
 
 
 def fragment_candidates(m: int, n: int, kw: int, sms: int) -> list[WordConfig]:
-    """The register-operand INT4 kernel's configs ([Note: fragment wdot] in ``_fragment_kernels``): each tile whole,
-    and split just under one wave where the tiles leave SMs idle (a counter for each warp group's rows). Splitting to
-    fill a short last wave (8192x28672 at 512 rows: 448 programs, 85 % of 4 waves) would need partials of 29 M
-    floats, past the fix-up workspace."""
+    """The register-operand INT4 kernel's configs ([Note: fragment wdot] in ``_fragment_kernels``): each tile whole;
+    split just under one wave where the tiles leave SMs idle (a counter for each warp group's rows); and where more
+    tiles than SMs leave a short last wave, that wave's tiles split to fill it ([Note: tail split]; 8192x28672 at 512
+    rows: 448 tiles, 52 in the last wave, each in two slices)."""
     out = []
     for bm, xs in FRAGMENT_TILES:
         if bm > max(FRAGMENT_MIN_M, m_bucket(m)):
             continue
-        for sp in sorted({1, _under_wave(cdiv(m, bm) * cdiv(n, 128), sms)}):
-            if sp == 1 or _fixup_fits(m, n, sp, bm, 64):
+        tiles = cdiv(m, bm) * cdiv(n, 128)
+        for sp in sorted({1, _under_wave(tiles, sms)}):
+            if sp == 1 or _fragment_fits(m, n, bm, sp, 0):
                 out.append(WordConfig(bm, 128, 8, sp, 8, xs, 8, full_depth=True, order=3, pipelined=True,
                                       fixup=sp > 1, fragment=True))
+        sp = _tail_split(tiles, kw // 8, sms)
+        c = WordConfig(bm, 128, 8, sp, 8, xs, 8, full_depth=True, order=3, pipelined=True, fixup=True, fragment=True,
+                       tail=True)
+        if sp > 1 and _fragment_fits(m, n, bm, sp, fragment_whole(c, m, n, sms)):
+            out.append(c)
     return out
+
+
+def fragment_whole(c: WordConfig, m: int, n: int, sms: int) -> int:
+    """The tiles a register-operand config runs whole at ``m`` rows: those of the grid's whole waves where ``c.tail``
+    (all where they make whole waves), none otherwise (``split_k`` then slices every tile)."""
+    if not c.tail:
+        return 0
+    tiles = cdiv(m, c.block_m) * cdiv(n, 128)
+    return tiles - tiles % sms
+
+
+def _tail_split(tiles: int, k_tiles: int, sms: int) -> int:
+    """Slices of ``K`` for the tiles of a grid's last, partial wave: as many as fill the wave's SMs (at most 8, each
+    at least 8 of ``K``'s 64-column tiles); 1 where the grid is one wave or less, whole waves, or a last wave more
+    than half full."""
+    if tiles <= sms or tiles % sms == 0:
+        return 1
+    return max(1, min(sms // (tiles % sms), 8, k_tiles // 8))
+
+
+def _fragment_fits(m: int, n: int, bm: int, split: int, whole: int) -> bool:
+    """Whether the register-operand kernel's split tiles (those after the first ``whole``) fit the workspace: a
+    compact block of ``split x 128 x bm`` partials and two counters a tile."""
+    tiles = cdiv(m, bm) * cdiv(n, 128)
+    return _workspace_fits((tiles - whole) * split * 128 * bm, 2 * tiles)
 
 
 def specialized_candidates(m: int, n: int, kw: int, sms: int) -> list[WordConfig]:
@@ -737,9 +770,10 @@ def wdot_launcher(x, words, s, z, *, fmt: int, group: int, n: int, k: int):
             ws = _stationary_workspace(x.device) if c.split_k > 1 else None
             fits = ws is not None and _fixup_fits(m, n, c.split_k, c.block_m, c.block_n)
             if c.fragment:
-                fits = ws is not None and _fixup_fits(m, n, c.split_k, c.block_m, 64)  # a counter per warp group
+                whole = fragment_whole(c, m, n, _sm_count(x.device.index or 0)) if c.tail else 0
+                fits = ws is not None and _fragment_fits(m, n, c.block_m, c.split_k, whole)
                 return run_fragment(x, words, s, z, group=group, n=n, k=k, block_m=c.block_m, stages=c.stages,
-                                    q_stages=c.prefetch, split_k=c.split_k if fits else 1,
+                                    q_stages=c.prefetch, split_k=c.split_k if fits else 1, whole=whole,
                                     workspace=ws if fits else None)
             if c.specialized:
                 return run_specialized(x, words, s, z, group=group, n=n, k=k, block_m=c.block_m, block_n=c.block_n,

@@ -48,7 +48,64 @@ def test_offered_for_packed_int4_from_the_128_row_bucket(monkeypatch):
 def test_a_fragment_config_launches_the_fragment_kernel(monkeypatch):
     c = _word.WordConfig(256, 128, 8, 1, 8, 5, 7, full_depth=True, order=3, pipelined=True, fragment=True)
     seen = launched_with(monkeypatch, c, "run_fragment")
-    assert seen == dict(group=128, n=64, k=256, block_m=256, stages=5, q_stages=7, split_k=1, workspace=None)
+    assert seen == dict(group=128, n=64, k=256, block_m=256, stages=5, q_stages=7, split_k=1, whole=0,
+                        workspace=None)
+
+
+def test_a_short_last_wave_is_split_and_the_whole_waves_are_not(monkeypatch):
+    monkeypatch.setattr(_word, "interpreting", lambda: False)
+    monkeypatch.setattr(_word, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(_pipelined, "pipelined_possible", lambda device, *, group, k: True)
+    monkeypatch.setattr(_pipelined, "specialized_possible", lambda device, *, group, k: True)
+    gpu = torch.device("cuda", 0)
+
+    def tails(m, n, k):
+        return [c for c in _word.full_depth_candidates(FMT_W4, m, n, k // 8, 128, gpu, packed=1) if c.tail]
+
+    # 8192 x 28672 at 512 rows: 448 tiles of 256 x 128 = 3 waves + 52 tiles, which 104 half-tile programs replace
+    (c, ) = tails(512, 28672, 8192)
+    assert (c.fragment, c.block_m, c.split_k, c.fixup) == (True, 256, 2, True)
+    assert _word.fragment_whole(c, 512, 28672, 132) == 396
+    assert _word.fragment_whole(c, 450, 28672, 132) == 396  # same tiles at any row count of the 512 bucket
+    # 256-row blocks: 152 tiles, 20 left over in 6 slices each; 128-row blocks: 304, 40 left over in 3 slices each
+    assert [(c.block_m, c.split_k) for c in tails(256, 152 * 128, 8192)] == [(128, 3), (256, 6)]
+    assert _word._tail_split(152, 8192 // 64, 132) == 6
+    assert _word._tail_split(152, 40, 132) == 5  # a shallow K: slices of at least 8 tiles
+    assert _word._tail_split(140, 1024, 132) == 8  # 8 tiles left: at most 8 slices
+    # one wave or less (the uniform split covers it), whole waves, or a last wave more than half full: no tail split
+    assert not tails(512, 8192, 8192)  # 128 tiles
+    assert not tails(1024, 28672, 8192)  # 896 tiles: 6 waves + 104
+    assert not tails(512, 264 * 128 // 2, 8192)  # 264 tiles: two whole waves
+    # partials past the workspace: not offered
+    monkeypatch.setattr(_word, "STATIONARY_WORKSPACE", 52 * 2 * 128 * 256 - 1)
+    assert not tails(512, 28672, 8192)
+
+
+def test_a_tail_config_launches_with_its_whole_tiles(monkeypatch):
+    monkeypatch.setattr(_word, "_sm_count", lambda index: 132)
+    c = _word.WordConfig(128, 128, 8, 2, 8, 4, 8, full_depth=True, order=3, pipelined=True, fixup=True,
+                         fragment=True, tail=True)
+    # one tile, less than a wave: it is split like every tile of a uniform split
+    seen = launched_with(monkeypatch, c, "run_fragment")
+    assert (seen["whole"], seen["split_k"]) == (0, 2) and seen["workspace"] is not None
+    monkeypatch.setattr(_word, "_sm_count", lambda index: 1)  # one SM: the tile makes a whole wave and runs whole
+    seen = launched_with(monkeypatch, c, "run_fragment")
+    assert seen["whole"] == 1
+
+
+def test_bad_splits_and_a_small_workspace_are_refused_before_launch():
+    x = torch.zeros(512, 128, dtype=torch.bfloat16)
+    w, s = torch.zeros(1024, 16, dtype=torch.int32), torch.zeros(1024, 1, dtype=torch.bfloat16)
+    args = dict(group=128, n=1024, k=128, block_m=256, stages=4, q_stages=8)  # 8 x 2 = 16 tiles
+    ws = (torch.zeros(4 * 2 * 128 * 256), torch.zeros(32, dtype=torch.int32))
+    with pytest.raises(ValueError, match="whole within 0..16"):
+        _pipelined.run_fragment(x, w, s, None, split_k=2, whole=17, workspace=ws, **args)
+    with pytest.raises(ValueError, match="split_k must be >= 1"):
+        _pipelined.run_fragment(x, w, s, None, split_k=0, **args)
+    with pytest.raises(ValueError, match="5 split tiles x 2 slices need 327680 partial sums.*split fewer tiles"):
+        _pipelined.run_fragment(x, w, s, None, split_k=2, whole=11, workspace=ws, **args)
+    with pytest.raises(ValueError, match="32 counters"):
+        _pipelined.run_fragment(x, w, s, None, split_k=2, whole=12, workspace=(ws[0], ws[1][:31]), **args)
 
 
 def test_split_k_without_a_workspace_is_refused_before_launch():
@@ -79,7 +136,8 @@ args = dict(x_desc=TensorDescriptor(x, [m, k], [k, 1], [bm, 64], gl.NVMMASharedL
                                     gl.NVMMASharedLayout.get_default_for([128, 8], gl.int32)),
             s_ptr=torch.empty(1, dtype=tdt), z_ptr=torch.empty(1, dtype=torch.uint8),
             out_ptr=torch.empty(1, dtype=tdt), part_ptr=torch.empty(1, dtype=torch.float32),
-            count_ptr=torch.empty(1, dtype=torch.int32), M=m, N=n, K=k, SPLIT_K=2, stride_sn=64, stride_om=n)
+            count_ptr=torch.empty(1, dtype=torch.int32), M=m, N=n, K=k, WHOLE=100, SPLIT_K=2, stride_sn=64,
+            stride_om=n)
 sig = {name: mangle_type(v) for name, v in args.items()}
 const = dict(GROUP=128, HAS_ZEROS=True, BLOCK_M=bm, XSTAGES=4, QSTAGES=8, MMA_REGS=232, num_warps=4)
 sig.update({name: "constexpr" for name in const})
@@ -118,3 +176,27 @@ def test_compiles_for_hopper_with_the_weights_in_registers(tmp_path, bm, half):
     assert len(ids) == 4 and all(ids) and len({i.group(1) for i in ids}) == 2
     assert got["shared"] <= 232448
     assert got["fixup"]["loads"] > 0 and got["fixup"]["stores"] > 0
+
+
+def test_an_unsplit_launch_passes_no_constant_split(monkeypatch):
+    """Triton makes an integer argument of 1 a constant, and Triton 3.6's Gluon then fails to lower this kernel
+    (kernels run 94): an unsplit launch runs every tile whole with SPLIT_K 2, unused."""
+    seen = {}
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.update(grid=grid, whole=args[10], split=args[11])
+            return launch
+
+    monkeypatch.setattr(_pipelined, "_fragment_kernels", lambda: type("K", (), {"w4_fragment_kernel": Kernel()}))
+    monkeypatch.setattr(_pipelined, "_operands", lambda x, words, **kw: (None, None, torch.zeros(x.shape[0], kw["n"]),
+                                                                           None))
+    x = torch.zeros(300, 128, dtype=torch.bfloat16)
+    w, s = torch.zeros(1000, 16, dtype=torch.int32), torch.zeros(1000, 1, dtype=torch.bfloat16)
+    args = dict(group=128, n=1000, k=128, block_m=128, stages=4, q_stages=8)  # 8 x 3 = 24 tiles
+    _pipelined.run_fragment(x, w, s, None, **args)
+    assert seen == dict(grid=(24, ), whole=24, split=2)
+    ws = (torch.zeros(8 * 3 * 128 * 128), torch.zeros(48, dtype=torch.int32))
+    _pipelined.run_fragment(x, w, s, None, split_k=3, whole=16, workspace=ws, **args)
+    assert seen == dict(grid=(16 + 8 * 3, ), whole=16, split=3)
