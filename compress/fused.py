@@ -13,7 +13,9 @@ fused output. The model's own forward is untouched: it still calls ``q_proj(x)``
 The first slice (the *leader*, ``index == 0``) computes the whole fused output
 and keeps the other slices' columns, together with the input it was computed
 from; a later slice returns its kept columns only when it is called with *that
-same tensor object* (and, outside ``torch.compile``, the same version of it).
+same tensor object* (and, outside ``torch.compile`` and ``torch.inference_mode``,
+the same version of it: inference tensors keep no version counter, so there an
+in-place change of the input between siblings goes unseen).
 Any other call (another input, as in cross-attention; a different call order; a
 slice called twice) computes the slice's own rows alone, from a row view of the
 fused weight. So the result is always what the separate modules computed, and
@@ -102,8 +104,8 @@ class ProjectionSlice(nn.Module):
 
 def _version(x: torch.Tensor) -> int:
     """The tensor's in-place version counter; 0 while Dynamo traces (it sees no in-place change between siblings
-    that it would not also see in the graph)."""
-    if torch.compiler.is_compiling():
+    that it would not also see in the graph) and for inference tensors (they have no counter)."""
+    if torch.compiler.is_compiling() or x.is_inference():
         return 0
     return x._version
 

@@ -1,6 +1,7 @@
 """``zserve``: serve a model over gRPC, query a server, or write a random-weight checkpoint.
 
     zserve --model DIR|HF_ID|PRESET [--random-weights] --offload none|cpu|nvme [--nvme-path P] [--window K]
+           [--fuse-projections auto|on|off]
            [--host 127.0.0.1] [--port 50051] [--metrics-port P] [--tls-cert F --tls-key F] [--auth-token T]
     zserve query [--host H] --port P [--stream] [--max-new-tokens N] "prompt"
     zserve synth --arch llama-70b --out DIR [--num-layers N]
@@ -68,6 +69,10 @@ def _serve_parser() -> argparse.ArgumentParser:
     m.add_argument("--window", type=int, default=2, help="device slots layers stream through (default 2)")
     m.add_argument("--dtype", default="auto", help="weights and activations dtype (default: the checkpoint's)")
     m.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda:N")
+    m.add_argument("--fuse-projections", choices=("auto", "on", "off"), default="auto",
+                   help="run each layer's q/k/v and gate/up projections as one matmul each (fewer kernel launches; "
+                        "faster small-batch decode): auto (default) where the layers are resident (--offload none), "
+                        "on: the same but an error with offload or where nothing can be fused, off: never")
     n = p.add_argument_group("network and security")
     n.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     n.add_argument("--port", type=int, default=50051, help="gRPC port (0 picks a free one)")
@@ -184,7 +189,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     load_config = LoadConfig(
         model=args.model, random_weights=args.random_weights, random_weights_dir=args.random_weights_dir,
         num_layers=args.num_layers, offload=args.offload, nvme_path=args.nvme_path, window=args.window,
-        dtype=args.dtype, device=args.device, progress=not args.no_progress,
+        dtype=args.dtype, device=args.device, fuse_projections=args.fuse_projections, progress=not args.no_progress,
     )
     from zspeed.core.store_config import StoreError
 

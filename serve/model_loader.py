@@ -6,14 +6,18 @@ in, and then only what is needed is materialized, one tensor at a time from
 the safetensors files: the embedding, final norm and output head on the
 device, and the decoder layers either on the device (``offload none``) or in
 a core :class:`TensorStore` on pinned CPU memory (``cpu``) or disk (``nvme``),
-from where :class:`~zspeed.serve.layers.StreamedLayers` streams them.
+from where :class:`~zspeed.serve.layers.StreamedLayers` streams them. Resident
+layers then have their sibling projections fused (``LoadConfig.fuse_projections``)
+before their kernels are tuned.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import logging
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +49,23 @@ class Offload(enum.Enum):
     NVME = "nvme"  # files on disk (O_DIRECT), streamed per step
 
 
+class FuseMode(enum.Enum):
+    """Whether each decoder layer's sibling projections (q/k/v, gate/up) run as one matmul
+    ([Note: fused projections] in zspeed.compress.fused)."""
+
+    AUTO = "auto"  # where the layers are resident on the device; streamed layers are left as they are
+    ON = "on"  # always; refused with offload (see [Note: no fusion of streamed layers])
+    OFF = "off"  # never
+
+
+# [Note: no fusion of streamed layers] With offload, one shell module runs every layer with that
+# layer's tensors filled by name from the TensorStore ([Note: one shell, streamed weights]), and the
+# store holds the checkpoint's separate q/k/v and gate/up tensors. Fusing would need the store to hold
+# concatenated tensors under new names (and a DISK store to be rewritten), for little gain: a streamed
+# step is dominated by weight transfers, not kernel launches. So AUTO leaves streamed layers alone and
+# LoadConfig refuses ON with offload.
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LoadConfig:
     """What to load and where its weights live.
@@ -58,6 +79,9 @@ class LoadConfig:
         and K, the device slots the streamer rotates layers through.
     dtype: ``"auto"`` (the checkpoint's) or a torch dtype name.
     device: ``"auto"`` (CUDA if present), ``"cpu"`` or ``"cuda:N"``.
+    fuse_projections: a :class:`FuseMode` (or its value): fuse q/k/v and gate/up of each
+        resident layer into one matmul each (``auto``, the default: where layers are
+        resident; ``on``: also an error where none can be fused; ``off``: never).
     """
 
     model: str
@@ -69,10 +93,12 @@ class LoadConfig:
     window: int = 2
     dtype: str = "auto"
     device: str = "auto"
+    fuse_projections: FuseMode = FuseMode.AUTO
     progress: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "offload", Offload(self.offload))
+        self._check_fuse_projections()
         if self.offload is Offload.NVME and not self.nvme_path:
             raise ValueError("offload nvme needs nvme_path: the folder to keep layer files in")
         if self.window < 1:
@@ -86,6 +112,19 @@ class LoadConfig:
             raise ValueError(f"random_weights needs a preset name ({', '.join(PRESETS)}), got {self.model!r}")
         if self.num_layers is not None and not is_preset:
             raise ValueError("num_layers changes a preset's shape; a checkpoint's layers are fixed")
+
+    def _check_fuse_projections(self) -> None:
+        try:
+            object.__setattr__(self, "fuse_projections", FuseMode(self.fuse_projections))
+        except ValueError:
+            choices = ", ".join(m.value for m in FuseMode)
+            raise ValueError(f"fuse_projections={self.fuse_projections!r}: use one of {choices} "
+                             "(--fuse-projections)") from None
+        if self.fuse_projections is FuseMode.ON and self.offload is not Offload.NONE:
+            raise ValueError(f"fuse_projections on (--fuse-projections on) needs resident layers, but offload is "
+                             f"{self.offload.value}: streamed layers are filled by name from the tensor store, "
+                             "which holds the separate projections; use offload none, or fuse_projections auto "
+                             "(leaves streamed layers unfused) or off")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -107,6 +146,7 @@ class ModelDescription:
     dtype: torch.dtype
     quantization: str
     offload: Offload
+    fused_projections: int = 0  # sibling-projection groups fused (0: none); logged, ModelInfo has no field
 
 
 @dataclass(eq=False, kw_only=True)
@@ -145,12 +185,43 @@ def load_model(config: LoadConfig) -> LoadedModel:
         with torch.device(device.device):
             rotary = type(base.rotary_emb)(config=hf_config)
         layers = _load_layers(config, skeleton, ckpt, device)
-        _warm_up(layers, device, dtype)
+        desc = dataclasses.replace(desc, fused_projections=_fuse_projections(layers, config.fuse_projections))
+        _warm_up(layers, device, dtype)  # after fusing: tunes the fused shapes
     loaded = LoadedModel(description=desc, device=device, embed=embed, rotary=rotary, norm=norm, lm_head=lm_head,
                          layers=layers, tokenizer=load_tokenizer(directory), hf_config=hf_config)
-    log.info("loaded in %.1fs on %s; tokenizer: %s", time.perf_counter() - start, device,
-             loaded.tokenizer.name)
+    log.info("loaded in %.1fs on %s; fused projections: %s; tokenizer: %s", time.perf_counter() - start, device,
+             f"{desc.fused_projections} groups" if desc.fused_projections else "none", loaded.tokenizer.name)
     return loaded
+
+
+def _fuse_projections(layers: LayerSource, mode: FuseMode) -> int:
+    """Fuses the resident layers' sibling projections as ``mode`` asks (streamed layers: [Note: no fusion of
+    streamed layers]); returns how many groups were fused. Groups ``fuse_projections`` leaves unfused (mixed
+    formats, NF4) are logged: a warning under ON, information under AUTO."""
+    if mode is FuseMode.OFF or not isinstance(layers, ResidentLayers):
+        return 0
+    from zspeed.compress.fuse import fuse_projections, fused_projections
+
+    stack = nn.ModuleList(layers.modules)  # one call: one message naming layer.module of each skipped group
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fuse_projections(stack)
+    skipped = [_shorten(str(w.message)) for w in caught]
+    for message in skipped:
+        log.log(logging.WARNING if mode is FuseMode.ON else logging.INFO, "%s", message)
+    groups = len(fused_projections(stack))
+    if mode is FuseMode.ON and not groups:
+        why = "\n".join(skipped) or "it has no q/k/v or gate/up sibling projections"
+        raise ValueError(f"fuse_projections on (--fuse-projections on): no projections of this model could be "
+                         f"fused; use fuse_projections auto or off. Why: {why}")
+    log.info("projections: %d groups (q/k/v, gate/up) of %d layers fused into one matmul each", groups, len(stack))
+    return groups
+
+
+def _shorten(message: str, lines: int = 6) -> str:
+    """``message`` with at most ``lines`` lines (one per skipped group: 160 for an NF4 Llama-70B)."""
+    parts = message.splitlines()
+    return "\n".join(parts[:lines] + [f"  ... and {len(parts) - lines} more"] if len(parts) > lines else parts)
 
 
 def _warm_up(layers: LayerSource, device: DeviceHandle, dtype: torch.dtype) -> None:

@@ -87,9 +87,8 @@ class PiecewiseLayers:
         self.buckets = tuple(b for b in BUCKETS if b <= max_tokens) or (BUCKETS[0],)
         self._rotary = _rotary_of(self.layers[0])
         attn = self.layers[0].self_attn
-        weight = attn.q_proj.weight if hasattr(attn.q_proj, "weight") else next(attn.q_proj.buffers())
-        self.device = weight.device
-        self._dtype = next(p for p in self.layers[0].input_layernorm.parameters()).dtype
+        norm = next(self.layers[0].input_layernorm.parameters())  # q_proj may be a slice of a fused module: no tensors
+        self.device, self._dtype = norm.device, norm.dtype
         self._head_dim = attn.head_dim
         self._heads = attn.q_proj.out_features // attn.head_dim
         self._kv_heads = attn.k_proj.out_features // attn.head_dim

@@ -89,6 +89,23 @@ def test_any_call_pattern_gives_the_separate_results():
     torch.testing.assert_close(mod.k_proj(x), ref.k_proj(x))
 
 
+def test_inference_mode_takes_the_fused_path():
+    """Inference tensors keep no version counter (the server steps under ``torch.inference_mode``): the same
+    logits, and still one matmul per group."""
+    model = _tiny("int4")
+    want = _logits(model)
+    fuse_projections(model)
+    calls = []
+    for name, mod in model.named_modules():
+        if type(mod).__name__ == "QuantLinear" and name.startswith("model.layers.0."):
+            mod.register_forward_hook(lambda m, i, o, name=name: calls.append(name.removeprefix("model.layers.0.")))
+    with torch.inference_mode():
+        got = model(input_ids=IDS).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert calls == ["self_attn.q_proj+k_proj+v_proj.linear", "self_attn.o_proj", "mlp.gate_proj+up_proj.linear",
+                     "mlp.down_proj"]
+
+
 def test_gradients_reach_the_fused_weight():
     ref = _Siblings()
     mod = fuse_projections(copy.deepcopy(ref), FuseConfig(groups=(("q_proj", "k_proj", "v_proj"),)))
