@@ -4,7 +4,8 @@ steps in the same order, so their outputs must be identical. On an sm_90 GPU:
 
     python benchmarks/fragment_check.py
 
-Odd row and column counts, split-K (2 and 3 slices), symmetric and fp16; every output on NaN-filled memory.
+Odd row and column counts, split-K (2 and 3 slices: odd tile counts), symmetric and fp16, each also with paired
+tiles ([Note: paired tiles]); every output on NaN-filled memory.
 Then the tail split ([Note: tail split]): each tile it runs whole must equal the unsplit kernel's output and each
 tile it splits the uniformly split kernel's, bit for bit. Prints one JSON line per case and ``ALL EXACT`` or the
 cases that differ.
@@ -51,8 +52,10 @@ def main() -> None:
             torch.empty(m, n, device="cuda", dtype=dt).fill_(float("nan"))  # the block the output most likely gets
             outs.append(fn(x, words, q.scales, q.zeros, group=128, n=n, k=k, block_m=bm, stages=4, q_stages=8,
                            split_k=sp, workspace=ws, **extra))
+        paired = run_fragment(x, words, q.scales, q.zeros, group=128, n=n, k=k, block_m=bm, stages=4, q_stages=8,
+                              split_k=sp, workspace=ws, pair=True)  # [Note: paired tiles]: the same sums
         ref = x.float() @ q.dequantize(torch.float32).to(dt).float().t()
-        diff = int((outs[0] != outs[1]).sum())
+        diff = int((outs[0] != outs[1]).sum()) + int((paired != outs[0]).sum())
         err = ((outs[0].float() - ref).norm() / ref.norm()).item()
         row = dict(k=k, n=n, m=m, block_m=bm, split_k=sp, symmetric=sym, dtype=str(dt), ndiff=diff,
                    nan=bool(outs[0].isnan().any()), rel_err=err)
@@ -70,7 +73,7 @@ def main() -> None:
               torch.zeros(2 * tiles_n * tiles_m, device="cuda", dtype=torch.int32))
         args = dict(group=128, n=n, k=k, block_m=bm, stages=4, q_stages=8, workspace=ws)
         torch.empty(m, n, device="cuda", dtype=dt).fill_(float("nan"))
-        got = run_fragment(x, words, q.scales, q.zeros, split_k=sp, whole=whole, **args)
+        got = run_fragment(x, words, q.scales, q.zeros, split_k=sp, whole=whole, pair=True, **args)
         one = run_fragment(x, words, q.scales, q.zeros, split_k=1, **args)
         split = run_fragment(x, words, q.scales, q.zeros, split_k=sp, whole=0, **args)
         tile = ((torch.arange(m, device="cuda") // bm)[:, None] * tiles_n

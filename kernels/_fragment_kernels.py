@@ -43,6 +43,15 @@ the tile's last slice in slice order as every split-K fix-up here ([Note: split-
 numbered weight-row block first, as the 2-D grid was, and whole tiles launch before split ones. With no whole tiles
 (``WHOLE = 0``) every tile is split: the uniform split-K that fills a grid of less than one wave.
 
+[Note: paired tiles] With ``PAIR`` a warp group dequantizes two tiles into two sets of fragment registers (32
+a thread instead of 16), issues both tiles' ``wgmma`` back to back (eight ``HGMMA``) and retires them once, then
+releases both tiles' slots after one barrier. The per-round costs (the retire's drain, the barrier, the ring waits)
+are paid once per two tiles, and each warp group's bursts on the tensor pipe are twice as long, while its dequantizing
+phase is twice as long too. Whether that wins depends on the shape (kernels run 96: +2 to +5 % in most cells from 512
+to 2048 rows, 3-12 % slower in some), so the tuner times both from 256 rows (``_word.FRAGMENT_PAIR_MIN_M``). An odd
+tile count ends with one unpaired tile. The accumulation order is unchanged, so the output is bit for bit the
+unpaired kernel's.
+
 Measured on an H100 (benchmarks/RESULTS.md, kernels runs 86-88, over cuBLAS bf16): 1.11-1.23x at 128 rows,
 0.92-0.93x at 256, 0.74-0.82x at 512 and 0.75-0.83x at 1024, the fastest of the INT4 kernels in every cell.
 """
@@ -111,13 +120,40 @@ def _group_pairs(s_ptr, z_ptr, rows, rmask, g, stride_sn, HAS_ZEROS: gl.constexp
 
 
 @gluon.jit
+def _fragments(q_smem, q_ready, j, t, s_cur, z_cur, s_nxt, z_nxt, s_ptr, z_ptr, rows, rmask, groups, shift, like,
+               stride_sn, WG: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, HALF: gl.constexpr,
+               QSTAGES: gl.constexpr, W_L: gl.constexpr, a_l: gl.constexpr):
+    """Tile ``j`` (``t`` of ``K``) of the warp group's rows as the ``wgmma``'s A fragments, and the scales after it
+    (a new group's were loaded a group ahead)."""
+    TILES_PER_GROUP: gl.constexpr = GROUP // BK
+    if (t % TILES_PER_GROUP == 0) & (j > 0):
+        s_cur, z_cur = s_nxt, z_nxt
+        s_nxt, z_nxt = _group_pairs(s_ptr, z_ptr, rows, rmask, gl.minimum(t // TILES_PER_GROUP + 1, groups - 1),
+                                    stride_sn, HAS_ZEROS, HALF)
+    qs = j % QSTAGES
+    mbarrier.wait(q_ready.index(qs), (j // QSTAGES) & 1)
+    w = q_smem.index(qs).slice(WG * 64, 64, dim=0).load(W_L)
+    w4 = gl.broadcast(gl.expand_dims(gl.expand_dims(w, 2), 3), like)[0]
+    if HALF:
+        f = gl.inline_asm_elementwise(_ASM_FRAG_F16, _ASM_FRAG_IO,
+                                      [w4, shift, _spread(s_cur, like), _spread(z_cur, like)],
+                                      dtype=gl.float16, is_pure=True, pack=2)
+    else:
+        f = gl.inline_asm_elementwise(_ASM_FRAG_BF16, _ASM_FRAG_IO,
+                                      [w4, shift, _spread(s_cur, like), _spread(z_cur, like)],
+                                      dtype=gl.bfloat16, is_pure=True, pack=2)
+    a = gl.convert_layout(gl.reshape(f, [64, BK]), a_l)
+    return a, s_cur, z_cur, s_nxt, z_nxt
+
+
+@gluon.jit
 def _consumer(x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, off_n,
               off_m, M, N, K, t_lo, n_tiles, tile, k_slice, split, p_tile, stride_sn, stride_om, WG: gl.constexpr,
               GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_M: gl.constexpr, XSTAGES: gl.constexpr,
-              QSTAGES: gl.constexpr):
+              QSTAGES: gl.constexpr, PAIR: gl.constexpr):
     """One MMA warp group (its own partition): weight rows ``off_n + 64 WG ..``, each tile's words -> A fragments in
-    registers -> ``wgmma``, retired before the next tile's fragments take the registers; then its rows of the
-    output."""
+    registers -> ``wgmma``, retired before the next tile's fragments take the registers (with ``PAIR``, two tiles'
+    fragments, then both ``wgmma``, then one retire); then its rows of the output."""
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                     instr_shape=[16, BLOCK_M, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
@@ -145,25 +181,34 @@ def _consumer(x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, 
     s_nxt, z_nxt = _group_pairs(s_ptr, z_ptr, rows, rmask, gl.minimum(g0 + 1, groups - 1), stride_sn, HAS_ZEROS,
                                 HALF)
     acc = gl.zeros([64, BLOCK_M], gl.float32, acc_l)
-    for j in range(n_tiles):
-        t = t_lo + j
-        if (t % TILES_PER_GROUP == 0) & (j > 0):  # a new group: its scales were loaded a group ahead
-            s_cur, z_cur = s_nxt, z_nxt
-            s_nxt, z_nxt = _group_pairs(s_ptr, z_ptr, rows, rmask, gl.minimum(t // TILES_PER_GROUP + 1, groups - 1),
-                                        stride_sn, HAS_ZEROS, HALF)
-        qs = j % QSTAGES
-        mbarrier.wait(q_ready.index(qs), (j // QSTAGES) & 1)
-        w = q_smem.index(qs).slice(WG * 64, 64, dim=0).load(W_L)
-        w4 = gl.broadcast(gl.expand_dims(gl.expand_dims(w, 2), 3), like)[0]
-        if HALF:
-            f = gl.inline_asm_elementwise(_ASM_FRAG_F16, _ASM_FRAG_IO,
-                                          [w4, shift, _spread(s_cur, like), _spread(z_cur, like)],
-                                          dtype=gl.float16, is_pure=True, pack=2)
-        else:
-            f = gl.inline_asm_elementwise(_ASM_FRAG_BF16, _ASM_FRAG_IO,
-                                          [w4, shift, _spread(s_cur, like), _spread(z_cur, like)],
-                                          dtype=gl.bfloat16, is_pure=True, pack=2)
-        a = gl.convert_layout(gl.reshape(f, [64, BK]), a_l)
+    n_single = n_tiles
+    if PAIR:
+        n_single = n_tiles % 2
+        for jj in range(n_tiles // 2):
+            j = 2 * jj
+            a0, s_cur, z_cur, s_nxt, z_nxt = _fragments(q_smem, q_ready, j, t_lo + j, s_cur, z_cur, s_nxt, z_nxt,
+                                                         s_ptr, z_ptr, rows, rmask, groups, shift, like, stride_sn,
+                                                         WG, GROUP, HAS_ZEROS, HALF, QSTAGES, W_L, a_l)
+            a1, s_cur, z_cur, s_nxt, z_nxt = _fragments(q_smem, q_ready, j + 1, t_lo + j + 1, s_cur, z_cur, s_nxt,
+                                                         z_nxt, s_ptr, z_ptr, rows, rmask, groups, shift, like,
+                                                         stride_sn, WG, GROUP, HAS_ZEROS, HALF, QSTAGES, W_L, a_l)
+            x0 = j % XSTAGES
+            x1 = (j + 1) % XSTAGES
+            mbarrier.wait(x_ready.index(x0), (j // XSTAGES) & 1)
+            acc = warpgroup_mma(a0, x_smem.index(x0).permute((1, 0)), acc, is_async=True)
+            mbarrier.wait(x_ready.index(x1), ((j + 1) // XSTAGES) & 1)
+            acc = warpgroup_mma(a1, x_smem.index(x1).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            _cta_barrier()  # this warp group: its words of both tiles read, its wgmma retired
+            mbarrier.arrive(q_empty.index(j % QSTAGES))
+            mbarrier.arrive(q_empty.index((j + 1) % QSTAGES))
+            mbarrier.arrive(x_empty.index(x0))
+            mbarrier.arrive(x_empty.index(x1))
+    for i in range(n_single):
+        j = n_tiles - n_single + i
+        a, s_cur, z_cur, s_nxt, z_nxt = _fragments(q_smem, q_ready, j, t_lo + j, s_cur, z_cur, s_nxt, z_nxt, s_ptr,
+                                                   z_ptr, rows, rmask, groups, shift, like, stride_sn, WG, GROUP,
+                                                   HAS_ZEROS, HALF, QSTAGES, W_L, a_l)
         xs = j % XSTAGES
         mbarrier.wait(x_ready.index(xs), (j // XSTAGES) & 1)
         acc = warpgroup_mma(a, x_smem.index(xs).permute((1, 0)), acc, is_async=True)
@@ -171,7 +216,7 @@ def _consumer(x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, 
         # them is in flight: kernels run 84), so the wgmma is retired here; the other warp group's runs meanwhile
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         _cta_barrier()  # this warp group: its words of the tile read, its wgmma retired
-        mbarrier.arrive(q_empty.index(qs))
+        mbarrier.arrive(q_empty.index(j % QSTAGES))
         mbarrier.arrive(x_empty.index(xs))
     p_slice = 64 * BLOCK_M  # a compact partial block per warp group, slice and split tile ([Note: tail split])
     _store_acc(acc, out_ptr, part_ptr, count_ptr, row0, off_m, M, N, split, stride_om, tile * 2 + WG, k_slice,
@@ -181,7 +226,8 @@ def _consumer(x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, 
 @gluon.jit
 def w4_fragment_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M, N, K, WHOLE, SPLIT_K,
                        stride_sn, stride_om, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_M: gl.constexpr,
-                       XSTAGES: gl.constexpr, QSTAGES: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr):
+                       XSTAGES: gl.constexpr, QSTAGES: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
+                       PAIR: gl.constexpr = False):
     """``out[M, N] = x @ dequant(W)^T`` for INT4 words, ``x`` and scales in bf16 or fp16 ([Note: fragment wdot]).
     Tiles of 128 weight rows x ``BLOCK_M`` rows of ``x``, numbered weight-row block first; the first ``WHOLE`` run
     whole, each of the others in ``SPLIT_K`` slices of ``K`` ([Note: tail split]): a 1-D grid of ``WHOLE + (tiles -
@@ -216,10 +262,10 @@ def w4_fragment_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_pt
     gl.warp_specialize([
         (_consumer, (x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr,
                      off_n, off_m, M, N, K, t_lo, n_tiles, tile, k_slice, split, p_tile, stride_sn, stride_om,
-                     gl.constexpr(0), GROUP, HAS_ZEROS, BLOCK_M, XSTAGES, QSTAGES)),
+                     gl.constexpr(0), GROUP, HAS_ZEROS, BLOCK_M, XSTAGES, QSTAGES, PAIR)),
         (_consumer, (x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr,
                      off_n, off_m, M, N, K, t_lo, n_tiles, tile, k_slice, split, p_tile, stride_sn, stride_om,
-                     gl.constexpr(1), GROUP, HAS_ZEROS, BLOCK_M, XSTAGES, QSTAGES)),
+                     gl.constexpr(1), GROUP, HAS_ZEROS, BLOCK_M, XSTAGES, QSTAGES, PAIR)),
         (_load_part, (x_desc, w_desc, x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, off_m, off_n, t_lo, n_tiles,
                       XSTAGES, QSTAGES)),
     ], [4, 1], [MMA_REGS, 24])

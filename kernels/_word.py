@@ -110,6 +110,7 @@ class WordConfig:
     # fragment wdot] in _fragment_kernels)
     tail: bool = False  # fragment: split_k slices only the tiles of the grid's last, partial wave ([Note: tail
     # split] in _fragment_kernels)
+    pair: bool = False  # fragment: two tiles' wgmma a round, one retire ([Note: paired tiles] in _fragment_kernels)
     sparse_mma: bool = False  # gemv, 2:4 (plain or + INT4) with bf16 x on sm_80+: the Gluon kernels on sparse tensor
     # cores ([Note: 2:4 GEMV on sparse tensor cores] in _sparse_mma_kernels); block_w / 8 32-column tiles per slice of
     # K, split_k slices, row_blocks blocks of 16 x warps weight rows per program, prefetch blocks loaded ahead (0:
@@ -336,6 +337,9 @@ SPECIALIZED_MIN_M = 256
 # cells at 128-512 rows; six x buffers won one cell of nine (by 1 %), five none
 FRAGMENT_TILES = ((128, 4), (256, 4))
 FRAGMENT_MIN_M = 128
+# from here each of its configs also with two tiles a wgmma round ([Note: paired tiles]); kernels run 96: +2 to +5 %
+# in most cells from 512 to 2048 rows, -3 to -12 % in some, so the tuner chooses
+FRAGMENT_PAIR_MIN_M = 256
 
 
 def _full_block_w(fmt: int, group: int, cols: int = 128) -> int | None:
@@ -429,6 +433,8 @@ def fragment_candidates(m: int, n: int, kw: int, sms: int) -> list[WordConfig]:
                        tail=True)
         if sp > 1 and _fragment_fits(m, n, bm, sp, fragment_whole(c, m, n, sms)):
             out.append(c)
+    if m_bucket(m) >= FRAGMENT_PAIR_MIN_M:
+        out += [replace(c, pair=True) for c in out]
     return out
 
 
@@ -774,7 +780,7 @@ def wdot_launcher(x, words, s, z, *, fmt: int, group: int, n: int, k: int):
                 fits = ws is not None and _fragment_fits(m, n, c.block_m, c.split_k, whole)
                 return run_fragment(x, words, s, z, group=group, n=n, k=k, block_m=c.block_m, stages=c.stages,
                                     q_stages=c.prefetch, split_k=c.split_k if fits else 1, whole=whole,
-                                    workspace=ws if fits else None)
+                                    pair=c.pair, workspace=ws if fits else None)
             if c.specialized:
                 return run_specialized(x, words, s, z, group=group, n=n, k=k, block_m=c.block_m, block_n=c.block_n,
                                        stages=c.stages, q_stages=c.prefetch, w_stages=c.block_w,

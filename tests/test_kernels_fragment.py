@@ -34,9 +34,12 @@ def test_offered_for_packed_int4_from_the_128_row_bucket(monkeypatch):
         assert {c.block_m for c in got} == ({128} if m_bucket(m) == 128 else {128, 256})
         assert all(c.pipelined and c.block_n == 128 and c.warps == 8 and c.block_w == 8 and c.prefetch == 8
                    and c.fixup == (c.split_k > 1) and not c.specialized for c in got)
-    # 8192 weight rows at 256 rows: 64 programs of 256 x 128 fill half the SMs, so also split in two
+    # 8192 weight rows at 256 rows: 64 programs of 256 x 128 fill half the SMs, so also split in two; from 256
+    # rows each config also with paired tiles, below only unpaired
     got = [c for c in _word.full_depth_candidates(FMT_W4, 256, 8192, 1024, 128, gpu, 1) if c.fragment]
-    assert {(c.block_m, c.split_k) for c in got} == {(128, 1), (256, 1), (256, 2)}
+    assert sorted((c.block_m, c.split_k, c.pair) for c in got) == sorted(
+        (bm, sp, pair) for bm, sp in ((128, 1), (256, 1), (256, 2)) for pair in (False, True))
+    assert not any(c.pair for c in _word.full_depth_candidates(FMT_W4, 128, 8192, 1024, 128, gpu, 1))
     assert any(c.fragment for c in _word.full_depth_candidates(FMT_W4, 256, 8192, 1024, 128, gpu, 2))  # fp16
     assert not any(c.fragment for c in _word.full_depth_candidates(FMT_W8, 256, 8192, 2048, 0, gpu, half_x=True))
     assert not any(c.fragment for c in _word.full_depth_candidates(FMT_W4, 256, 8192, 1024, 128, gpu, 0))
@@ -49,7 +52,9 @@ def test_a_fragment_config_launches_the_fragment_kernel(monkeypatch):
     c = _word.WordConfig(256, 128, 8, 1, 8, 5, 7, full_depth=True, order=3, pipelined=True, fragment=True)
     seen = launched_with(monkeypatch, c, "run_fragment")
     assert seen == dict(group=128, n=64, k=256, block_m=256, stages=5, q_stages=7, split_k=1, whole=0,
-                        workspace=None)
+                        pair=False, workspace=None)
+    seen = launched_with(monkeypatch, _word.replace(c, pair=True), "run_fragment")
+    assert seen["pair"] is True
 
 
 def test_a_short_last_wave_is_split_and_the_whole_waves_are_not(monkeypatch):
@@ -63,12 +68,13 @@ def test_a_short_last_wave_is_split_and_the_whole_waves_are_not(monkeypatch):
         return [c for c in _word.full_depth_candidates(FMT_W4, m, n, k // 8, 128, gpu, packed=1) if c.tail]
 
     # 8192 x 28672 at 512 rows: 448 tiles of 256 x 128 = 3 waves + 52 tiles, which 104 half-tile programs replace
-    (c, ) = tails(512, 28672, 8192)
-    assert (c.fragment, c.block_m, c.split_k, c.fixup) == (True, 256, 2, True)
+    c, paired = tails(512, 28672, 8192)
+    assert (c.fragment, c.block_m, c.split_k, c.fixup, c.pair) == (True, 256, 2, True, False)
+    assert paired == _word.replace(c, pair=True)
     assert _word.fragment_whole(c, 512, 28672, 132) == 396
     assert _word.fragment_whole(c, 450, 28672, 132) == 396  # same tiles at any row count of the 512 bucket
     # 256-row blocks: 152 tiles, 20 left over in 6 slices each; 128-row blocks: 304, 40 left over in 3 slices each
-    assert [(c.block_m, c.split_k) for c in tails(256, 152 * 128, 8192)] == [(128, 3), (256, 6)]
+    assert [(c.block_m, c.split_k) for c in tails(256, 152 * 128, 8192)] == [(128, 3), (256, 6)] * 2
     assert _word._tail_split(152, 8192 // 64, 132) == 6
     assert _word._tail_split(152, 40, 132) == 5  # a shallow K: slices of at least 8 tiles
     assert _word._tail_split(140, 1024, 132) == 8  # 8 tiles left: at most 8 slices
@@ -139,7 +145,8 @@ args = dict(x_desc=TensorDescriptor(x, [m, k], [k, 1], [bm, 64], gl.NVMMASharedL
             count_ptr=torch.empty(1, dtype=torch.int32), M=m, N=n, K=k, WHOLE=100, SPLIT_K=2, stride_sn=64,
             stride_om=n)
 sig = {name: mangle_type(v) for name, v in args.items()}
-const = dict(GROUP=128, HAS_ZEROS=True, BLOCK_M=bm, XSTAGES=4, QSTAGES=8, MMA_REGS=232, num_warps=4)
+const = dict(GROUP=128, HAS_ZEROS=True, BLOCK_M=bm, XSTAGES=4, QSTAGES=8, MMA_REGS=232, num_warps=4,
+             PAIR=opts["PAIR"])
 sig.update({name: "constexpr" for name in const})
 kernel = triton.compile(GluonASTSource(P.w4_fragment_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": 4})
@@ -157,7 +164,7 @@ def test_compiles_for_hopper_with_the_weights_in_registers(tmp_path, bm, half):
     if not _pipelined._gluon_ok():
         pytest.skip("this triton has no Gluon for Hopper")
     cubin = tmp_path / f"fragment_{bm}_{half}.cubin"
-    got = run_compile_script(_COMPILE, [json.dumps(dict(BM=bm, HALF=half)), str(cubin)], tmp_path)
+    got = run_compile_script(_COMPILE, [json.dumps(dict(BM=bm, HALF=half, PAIR=False)), str(cubin)], tmp_path)
     code = got["code"]
     assert not [op for _, op, _ in code if op.startswith(("STL", "LDL"))]  # no spills in any partition
     assert any(op.startswith("USETMAXREG") for _, op, _ in code)
@@ -200,3 +207,32 @@ def test_an_unsplit_launch_passes_no_constant_split(monkeypatch):
     ws = (torch.zeros(8 * 3 * 128 * 128), torch.zeros(48, dtype=torch.int32))
     _pipelined.run_fragment(x, w, s, None, split_k=3, whole=16, workspace=ws, **args)
     assert seen == dict(grid=(16 + 8 * 3, ), whole=16, split=3)
+
+
+def test_paired_tiles_compile_to_eight_mmas_and_one_retire_a_round(tmp_path):
+    """[Note: paired tiles]: the paired loop holds both tiles' eight ``HGMMA`` (A from two sets of registers) with
+    one retire after them, then four arrives after the warp group's barriers; an odd tile count's last tile has a
+    loop of its own; no spills."""
+    if not _pipelined._gluon_ok():
+        pytest.skip("this triton has no Gluon for Hopper")
+    got = run_compile_script(_COMPILE, [json.dumps(dict(BM=256, HALF=False, PAIR=True)), str(tmp_path / "p.cubin")],
+                             tmp_path)
+    code = got["code"]
+    assert not [op for _, op, _ in code if op.startswith(("STL", "LDL"))]
+    loops = []  # (first, last) address of each backward branch's loop
+    for addr, op, rest in code:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            loops.append((int(target.group(1), 16), addr))
+    bodies = sorted(([(op, rest) for a, op, rest in code if lo <= a <= hi] for lo, hi in loops), key=len)
+    counts = [sum(op.startswith("HGMMA") for op, _ in b) for b in bodies]
+    assert 4 in counts and 8 in counts  # the innermost loops: an odd tile's, the paired rounds (outer loops hold more)
+    paired = bodies[counts.index(8)]
+    mmas = [rest for op, rest in paired if op.startswith("HGMMA")]
+    a_regs = {re.search(r"\sR\d+, (R\d+), gdesc", r).group(1) for r in mmas}
+    assert len(a_regs) == 8  # eight distinct A fragments: neither tile's registers reused while in flight
+    assert [rest for op, rest in paired if op.startswith("WARPGROUP.DEPBAR")] == ["gsb0, 0x0"]
+    assert sum("gsb0" in r for r in mmas) >= 1
+    ops = [op for op, _ in paired]
+    last_mma = max(i for i, op in enumerate(ops) if op.startswith("HGMMA"))
+    assert sum(op.startswith("SYNCS.ARRIVE") for op in ops[last_mma:]) == 4
