@@ -4,6 +4,9 @@ shape, for a profiler to pick one (the first compiles and warms up). On an sm_90
     ncu --clock-control none -k regex:w4_fragment -s 2 -c 1 --section SpeedOfLight --section WarpStateStats \\
         --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \\
         python benchmarks/profile_fragment.py --shape 8192x28672 --m 512
+
+Where each instruction's warps stall (kernels run 99): ``--set full -o rep`` instead of the sections, then
+``ncu -i rep.ncu-rep --page source --csv --print-source sass``.
 """
 from __future__ import annotations
 
@@ -25,13 +28,14 @@ def main() -> None:
     p.add_argument("--shape", type=_shape, default=(8192, 28672))
     p.add_argument("--m", type=int, default=512)
     p.add_argument("--block-m", type=int, default=256)
+    p.add_argument("--pair", action="store_true", help="two tiles a wgmma round ([Note: paired tiles])")
     args = p.parse_args()
     k, n = args.shape
     q = quantize_int4(torch.randn(n, k, device="cuda") * 0.02, group_size=128, scale_dtype=torch.bfloat16)
     x = torch.randn(args.m, k, device="cuda").bfloat16()
     for _ in range(3):
         run_fragment(x, q.qweight.view(torch.int32), q.scales, q.zeros, group=128, n=n, k=k, block_m=args.block_m,
-                     stages=4, q_stages=8)
+                     stages=4, q_stages=8, pair=args.pair)
     torch.cuda.synchronize()
 
 

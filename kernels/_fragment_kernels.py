@@ -53,7 +53,10 @@ tile count ends with one unpaired tile. The accumulation order is unchanged, so 
 unpaired kernel's.
 
 Measured on an H100 (benchmarks/RESULTS.md, kernels runs 86-88, over cuBLAS bf16): 1.11-1.23x at 128 rows,
-0.92-0.93x at 256, 0.74-0.82x at 512 and 0.75-0.83x at 1024, the fastest of the INT4 kernels in every cell.
+0.92-0.93x at 256, 0.74-0.82x at 512 and 0.75-0.83x at 1024, the fastest of the INT4 kernels in every cell. Then
+(session 18) the tail split, paired tiles and scales packed a group after their load (``_group_load``: Nsight's
+stall sampling had the warp groups waiting on the scale loads at each group's start, kernels run 99): +3 to +16 %
+in every cell (run 100).
 """
 from __future__ import annotations
 
@@ -105,15 +108,26 @@ def _spread(v, like):
 
 
 @gluon.jit
-def _group_pairs(s_ptr, z_ptr, rows, rmask, g, stride_sn, HAS_ZEROS: gl.constexpr, HALF: gl.constexpr):
-    """Group ``g``'s scales and ``128 + z`` (fp16: ``1024 + z``) of the rows, each as a 16-bit pair in an int32."""
+def _group_load(s_ptr, z_ptr, rows, rmask, g, stride_sn, HAS_ZEROS: gl.constexpr):
+    """Group ``g``'s scales and zero points of the rows as stored (symmetric: the scales twice); packed by
+    ``_group_pack`` only when the group starts, a group after the load, so that no instruction waits for it (kernels
+    run 99: packing at the load stalled the warp groups on it)."""
     s = gl.load(s_ptr + rows * stride_sn + g, mask=rmask, other=0.0)
+    z = s
     if HAS_ZEROS:
-        z = gl.load(z_ptr + rows * stride_sn + g, mask=rmask, other=0).to(gl.float32)
+        z = gl.load(z_ptr + rows * stride_sn + g, mask=rmask, other=0)
+    return s, z
+
+
+@gluon.jit
+def _group_pack(s, z, HAS_ZEROS: gl.constexpr, HALF: gl.constexpr):
+    """The scales and ``128 + z`` (fp16: ``1024 + z``) of ``_group_load``, each as a 16-bit pair in an int32."""
+    if HAS_ZEROS:
+        zf = z.to(gl.float32)
     else:
-        z = gl.full(s.shape, 8.0, gl.float32, s.type.layout)
+        zf = gl.full(s.shape, 8.0, gl.float32, s.type.layout)
     base: gl.constexpr = 1024.0 if HALF else 128.0
-    zz = (z + base).to(s.dtype)
+    zz = (zf + base).to(s.dtype)
     sb = s.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
     zb = zz.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
     return sb | (sb << 16), zb | (zb << 16)
@@ -123,13 +137,13 @@ def _group_pairs(s_ptr, z_ptr, rows, rmask, g, stride_sn, HAS_ZEROS: gl.constexp
 def _fragments(q_smem, q_ready, j, t, s_cur, z_cur, s_nxt, z_nxt, s_ptr, z_ptr, rows, rmask, groups, shift, like,
                stride_sn, WG: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, HALF: gl.constexpr,
                QSTAGES: gl.constexpr, W_L: gl.constexpr, a_l: gl.constexpr):
-    """Tile ``j`` (``t`` of ``K``) of the warp group's rows as the ``wgmma``'s A fragments, and the scales after it
-    (a new group's were loaded a group ahead)."""
+    """Tile ``j`` (``t`` of ``K``) of the warp group's rows as the ``wgmma``'s A fragments, and the scales after it:
+    ``s_cur, z_cur`` packed, ``s_nxt, z_nxt`` the next group's as loaded a group ahead (``_group_load``)."""
     TILES_PER_GROUP: gl.constexpr = GROUP // BK
     if (t % TILES_PER_GROUP == 0) & (j > 0):
-        s_cur, z_cur = s_nxt, z_nxt
-        s_nxt, z_nxt = _group_pairs(s_ptr, z_ptr, rows, rmask, gl.minimum(t // TILES_PER_GROUP + 1, groups - 1),
-                                    stride_sn, HAS_ZEROS, HALF)
+        s_cur, z_cur = _group_pack(s_nxt, z_nxt, HAS_ZEROS, HALF)
+        s_nxt, z_nxt = _group_load(s_ptr, z_ptr, rows, rmask, gl.minimum(t // TILES_PER_GROUP + 1, groups - 1),
+                                   stride_sn, HAS_ZEROS)
     qs = j % QSTAGES
     mbarrier.wait(q_ready.index(qs), (j // QSTAGES) & 1)
     w = q_smem.index(qs).slice(WG * 64, 64, dim=0).load(W_L)
@@ -177,9 +191,9 @@ def _consumer(x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, 
     TILES_PER_GROUP: gl.constexpr = GROUP // BK
     groups = K // GROUP
     g0 = t_lo // TILES_PER_GROUP
-    s_cur, z_cur = _group_pairs(s_ptr, z_ptr, rows, rmask, g0, stride_sn, HAS_ZEROS, HALF)
-    s_nxt, z_nxt = _group_pairs(s_ptr, z_ptr, rows, rmask, gl.minimum(g0 + 1, groups - 1), stride_sn, HAS_ZEROS,
-                                HALF)
+    s0, z0 = _group_load(s_ptr, z_ptr, rows, rmask, g0, stride_sn, HAS_ZEROS)
+    s_cur, z_cur = _group_pack(s0, z0, HAS_ZEROS, HALF)
+    s_nxt, z_nxt = _group_load(s_ptr, z_ptr, rows, rmask, gl.minimum(g0 + 1, groups - 1), stride_sn, HAS_ZEROS)
     acc = gl.zeros([64, BLOCK_M], gl.float32, acc_l)
     n_single = n_tiles
     if PAIR:
