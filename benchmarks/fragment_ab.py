@@ -3,6 +3,7 @@ of itself, in one process: a copy of ``kernels/_fragment_kernels.py`` from anoth
 
     git show 10aadef:kernels/_fragment_kernels.py > /tmp/base.py     # here, before the run
     python benchmarks/fragment_ab.py --base /tmp/base.py [--ms 128 256 512 1024 2048] [--shapes 8192x8192 ...]
+                                     [--overlap]
 
 For each shape (K x N), row count and config (128- or 256-row blocks of ``x``, paired tiles or not, the tuner's
 split: [Note: tail split]), both versions run the same config twice in turn (A, B, A, B) and the best of each is
@@ -53,6 +54,9 @@ def main() -> None:
     p.add_argument("--base", required=True, help="a copy of kernels/_fragment_kernels.py from another commit")
     p.add_argument("--ms", type=int, nargs="*", default=[128, 256, 512, 1024, 2048])
     p.add_argument("--shapes", type=_shape, nargs="*", default=[(8192, 8192), (8192, 28672), (28672, 8192)])
+    p.add_argument("--overlap", action="store_true",
+                   help="run this version with each wgmma in flight during the next tile's dequantization "
+                        "([Note: overlapped fragments]); the base as it is")
     args = p.parse_args()
     versions = (("base", _load_base(args.base)), ("new", _fragment_kernels))
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -71,17 +75,18 @@ def main() -> None:
                     continue
                 sp, whole = _split(m, n, k, bm, sms)
 
-                def fn():
+                def fn(extra):
                     return _pipelined.run_fragment(x, words, q.scales, q.zeros, group=128, n=n, k=k, block_m=bm,
                                                    stages=4, q_stages=8, split_k=sp, whole=whole, pair=pair,
-                                                   workspace=ws)
+                                                   workspace=ws, **extra)
 
                 best, outs = {}, {}
                 for _ in range(2):
                     for name, module in versions:
                         _pipelined._fragment_kernels = lambda module=module: module
-                        outs[name] = fn()
-                        best[name] = max(best.get(name, 0.0), bf / graph_time_ms(fn))
+                        extra = dict(overlap=True) if args.overlap and name == "new" and not pair else {}
+                        outs[name] = fn(extra)
+                        best[name] = max(best.get(name, 0.0), bf / graph_time_ms(lambda: fn(extra)))
                 row[f"bm{bm}{'_pair' if pair else ''}_split{sp}"] = dict(
                     base=round(best["base"], 3), new=round(best["new"], 3),
                     ndiff=int((outs["base"] != outs["new"]).sum()))

@@ -55,7 +55,9 @@ def main() -> None:
         paired = run_fragment(x, words, q.scales, q.zeros, group=128, n=n, k=k, block_m=bm, stages=4, q_stages=8,
                               split_k=sp, workspace=ws, pair=True)  # [Note: paired tiles]: the same sums
         ref = x.float() @ q.dequantize(torch.float32).to(dt).float().t()
-        diff = int((outs[0] != outs[1]).sum()) + int((paired != outs[0]).sum())
+        overlapped = run_fragment(x, words, q.scales, q.zeros, group=128, n=n, k=k, block_m=bm, stages=4,
+                                  q_stages=8, split_k=sp, workspace=ws, overlap=True)  # [Note: overlapped fragments]
+        diff = int((outs[0] != outs[1]).sum()) + int((paired != outs[0]).sum()) + int((overlapped != outs[0]).sum())
         err = ((outs[0].float() - ref).norm() / ref.norm()).item()
         row = dict(k=k, n=n, m=m, block_m=bm, split_k=sp, symmetric=sym, dtype=str(dt), ndiff=diff,
                    nan=bool(outs[0].isnan().any()), rel_err=err)

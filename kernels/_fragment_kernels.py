@@ -52,6 +52,16 @@ to 2048 rows, 3-12 % slower in some), so the tuner times both from 256 rows (``_
 tile count ends with one unpaired tile. The accumulation order is unchanged, so the output is bit for bit the
 unpaired kernel's.
 
+[Note: overlapped fragments] With ``OVERLAP`` a warp group issues tile ``j``'s ``wgmma`` and builds tile ``j + 1``'s
+fragments before it retires ``j`` (``j``'s fragments among the wait's ``deps``, so they stay alive to it). In the
+sm_90 SASS, ptxas gives the new fragments the registers of the in-flight ``HGMMA``'s A operand and holds every write
+to them until the ``DEPBAR``: the ring wait, the four shared-memory loads of the words, the next group's scale loads
+and packing, and part of the shifts and masks run under the ``wgmma``; the subtract and multiply that write the
+fragments come after it (``tests/test_kernels_fragment.py`` checks that no write to an in-flight A register comes
+before the retire: the hazard of kernels run 84 above). So the latency of each tile's loads now hides under the warp
+group's own ``wgmma`` as well as the other warp group's (kernels run 102: +4 to +12 % with 256-row blocks, equal with
+128; bit for bit the same output). The tuner's unpaired configs all overlap.
+
 Measured on an H100 (benchmarks/RESULTS.md, kernels runs 86-88, over cuBLAS bf16): 1.11-1.23x at 128 rows,
 0.92-0.93x at 256, 0.74-0.82x at 512 and 0.75-0.83x at 1024, the fastest of the INT4 kernels in every cell. Then
 (session 18) the tail split, paired tiles and scales packed a group after their load (``_group_load``: Nsight's
@@ -164,7 +174,7 @@ def _fragments(q_smem, q_ready, j, t, s_cur, z_cur, s_nxt, z_nxt, s_ptr, z_ptr, 
 def _consumer(x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, off_n,
               off_m, M, N, K, t_lo, n_tiles, tile, k_slice, split, p_tile, stride_sn, stride_om, WG: gl.constexpr,
               GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_M: gl.constexpr, XSTAGES: gl.constexpr,
-              QSTAGES: gl.constexpr, PAIR: gl.constexpr):
+              QSTAGES: gl.constexpr, PAIR: gl.constexpr, OVERLAP: gl.constexpr):
     """One MMA warp group (its own partition): weight rows ``off_n + 64 WG ..``, each tile's words -> A fragments in
     registers -> ``wgmma``, retired before the next tile's fragments take the registers (with ``PAIR``, two tiles'
     fragments, then both ``wgmma``, then one retire); then its rows of the output."""
@@ -218,6 +228,33 @@ def _consumer(x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, 
             mbarrier.arrive(q_empty.index((j + 1) % QSTAGES))
             mbarrier.arrive(x_empty.index(x0))
             mbarrier.arrive(x_empty.index(x1))
+    elif OVERLAP:  # [Note: overlapped fragments]
+        n_single = 0
+        if n_tiles > 0:
+            a, s_cur, z_cur, s_nxt, z_nxt = _fragments(q_smem, q_ready, 0, t_lo, s_cur, z_cur, s_nxt, z_nxt, s_ptr,
+                                                       z_ptr, rows, rmask, groups, shift, like, stride_sn, WG, GROUP,
+                                                       HAS_ZEROS, HALF, QSTAGES, W_L, a_l)
+            for j in range(n_tiles - 1):
+                xs = j % XSTAGES
+                mbarrier.wait(x_ready.index(xs), (j // XSTAGES) & 1)
+                acc = warpgroup_mma(a, x_smem.index(xs).permute((1, 0)), acc, is_async=True)
+                b, s_cur, z_cur, s_nxt, z_nxt = _fragments(q_smem, q_ready, j + 1, t_lo + j + 1, s_cur, z_cur, s_nxt,
+                                                           z_nxt, s_ptr, z_ptr, rows, rmask, groups, shift, like,
+                                                           stride_sn, WG, GROUP, HAS_ZEROS, HALF, QSTAGES, W_L, a_l)
+                # ``a`` is a dependency of the retire: its registers stay the in-flight wgmma's until here
+                acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
+                _cta_barrier()  # this warp group: its words of tile j read, its wgmma retired
+                mbarrier.arrive(q_empty.index(j % QSTAGES))
+                mbarrier.arrive(x_empty.index(xs))
+                a = b
+            j = n_tiles - 1
+            xs = j % XSTAGES
+            mbarrier.wait(x_ready.index(xs), (j // XSTAGES) & 1)
+            acc = warpgroup_mma(a, x_smem.index(xs).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            _cta_barrier()
+            mbarrier.arrive(q_empty.index(j % QSTAGES))
+            mbarrier.arrive(x_empty.index(xs))
     for i in range(n_single):
         j = n_tiles - n_single + i
         a, s_cur, z_cur, s_nxt, z_nxt = _fragments(q_smem, q_ready, j, t_lo + j, s_cur, z_cur, s_nxt, z_nxt, s_ptr,
@@ -241,7 +278,7 @@ def _consumer(x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, 
 def w4_fragment_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M, N, K, WHOLE, SPLIT_K,
                        stride_sn, stride_om, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_M: gl.constexpr,
                        XSTAGES: gl.constexpr, QSTAGES: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
-                       PAIR: gl.constexpr = False):
+                       PAIR: gl.constexpr = False, OVERLAP: gl.constexpr = False):
     """``out[M, N] = x @ dequant(W)^T`` for INT4 words, ``x`` and scales in bf16 or fp16 ([Note: fragment wdot]).
     Tiles of 128 weight rows x ``BLOCK_M`` rows of ``x``, numbered weight-row block first; the first ``WHOLE`` run
     whole, each of the others in ``SPLIT_K`` slices of ``K`` ([Note: tail split]): a 1-D grid of ``WHOLE + (tiles -
@@ -276,10 +313,10 @@ def w4_fragment_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_pt
     gl.warp_specialize([
         (_consumer, (x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr,
                      off_n, off_m, M, N, K, t_lo, n_tiles, tile, k_slice, split, p_tile, stride_sn, stride_om,
-                     gl.constexpr(0), GROUP, HAS_ZEROS, BLOCK_M, XSTAGES, QSTAGES, PAIR)),
+                     gl.constexpr(0), GROUP, HAS_ZEROS, BLOCK_M, XSTAGES, QSTAGES, PAIR, OVERLAP)),
         (_consumer, (x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr,
                      off_n, off_m, M, N, K, t_lo, n_tiles, tile, k_slice, split, p_tile, stride_sn, stride_om,
-                     gl.constexpr(1), GROUP, HAS_ZEROS, BLOCK_M, XSTAGES, QSTAGES, PAIR)),
+                     gl.constexpr(1), GROUP, HAS_ZEROS, BLOCK_M, XSTAGES, QSTAGES, PAIR, OVERLAP)),
         (_load_part, (x_desc, w_desc, x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, off_m, off_n, t_lo, n_tiles,
                       XSTAGES, QSTAGES)),
     ], [4, 1], [MMA_REGS, 24])

@@ -155,13 +155,17 @@ def _fragment_kernels():
 
 def run_fragment(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, *, group: int,
                  n: int, k: int, block_m: int, stages: int, q_stages: int, split_k: int = 1, whole: int = 0,
-                 pair: bool = False, workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 pair: bool = False, overlap: bool = False,
+                 workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The INT4 kernel that dequantizes into the ``wgmma``'s register operand ([Note: fragment wdot] in
     ``_fragment_kernels``): 128 weight rows a program in two MMA warp groups, one loader warp; other arguments as
     :func:`run_pipelined`. With ``split_k > 1`` the tiles after the first ``whole`` (numbered weight-row block first)
     each run in ``split_k`` slices of ``K`` ([Note: tail split]), their partials ``(tiles - whole) x split_k x 128 x
     block_m`` floats in ``workspace``, two counters a tile. ``pair``: two tiles a ``wgmma`` round ([Note: paired
-    tiles])."""
+    tiles]); ``overlap``: each ``wgmma`` in flight while the next tile is dequantized ([Note: overlapped fragments]).
+    """
+    if pair and overlap:
+        raise ValueError("run_fragment: pair and overlap are two schedules of the same loop; pick one")
     tiles = cdiv(n, 128) * cdiv(x.shape[0], block_m)
     if split_k < 1 or not 0 <= whole <= tiles:
         raise ValueError(f"run_fragment: split_k must be >= 1 (got {split_k}) and whole within 0..{tiles} tiles "
@@ -181,5 +185,6 @@ def run_fragment(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch
     _fragment_kernels().w4_fragment_kernel[(whole + (tiles - whole) * split_k, )](
         x_desc, w_desc, s, z if z is not None else s, out, parts, counters, m, n, k, whole, split_k, s.stride(0),
         out.stride(0), GROUP=group, HAS_ZEROS=z is not None, BLOCK_M=block_m, XSTAGES=stages, QSTAGES=q_stages,
-        MMA_REGS=232, PAIR=pair, num_warps=4)
+        MMA_REGS=232, PAIR=pair, num_warps=4, **({"OVERLAP": True} if overlap else {}))  # (an older kernel
+    # has no OVERLAP: benchmarks/fragment_ab.py)
     return out

@@ -111,6 +111,8 @@ class WordConfig:
     tail: bool = False  # fragment: split_k slices only the tiles of the grid's last, partial wave ([Note: tail
     # split] in _fragment_kernels)
     pair: bool = False  # fragment: two tiles' wgmma a round, one retire ([Note: paired tiles] in _fragment_kernels)
+    overlap: bool = False  # fragment: each wgmma in flight while the next tile is dequantized ([Note: overlapped
+    # fragments] in _fragment_kernels)
     sparse_mma: bool = False  # gemv, 2:4 (plain or + INT4) with bf16 x on sm_80+: the Gluon kernels on sparse tensor
     # cores ([Note: 2:4 GEMV on sparse tensor cores] in _sparse_mma_kernels); block_w / 8 32-column tiles per slice of
     # K, split_k slices, row_blocks blocks of 16 x warps weight rows per program, prefetch blocks loaded ahead (0:
@@ -338,7 +340,8 @@ SPECIALIZED_MIN_M = 256
 FRAGMENT_TILES = ((128, 4), (256, 4))
 FRAGMENT_MIN_M = 128
 # from here each of its configs also with two tiles a wgmma round ([Note: paired tiles]); kernels run 96: +2 to +5 %
-# in most cells from 512 to 2048 rows, -3 to -12 % in some, so the tuner chooses
+# in most cells from 512 to 2048 rows, -3 to -12 % in some, so the tuner chooses. Unpaired configs overlap each
+# wgmma with the next tile's dequantization ([Note: overlapped fragments]; run 102: +4 to +12 % with 256-row blocks)
 FRAGMENT_PAIR_MIN_M = 256
 
 
@@ -427,14 +430,14 @@ def fragment_candidates(m: int, n: int, kw: int, sms: int) -> list[WordConfig]:
         for sp in sorted({1, _under_wave(tiles, sms)}):
             if sp == 1 or _fragment_fits(m, n, bm, sp, 0):
                 out.append(WordConfig(bm, 128, 8, sp, 8, xs, 8, full_depth=True, order=3, pipelined=True,
-                                      fixup=sp > 1, fragment=True))
+                                      fixup=sp > 1, fragment=True, overlap=True))
         sp = _tail_split(tiles, kw // 8, sms)
         c = WordConfig(bm, 128, 8, sp, 8, xs, 8, full_depth=True, order=3, pipelined=True, fixup=True, fragment=True,
-                       tail=True)
+                       tail=True, overlap=True)
         if sp > 1 and _fragment_fits(m, n, bm, sp, fragment_whole(c, m, n, sms)):
             out.append(c)
     if m_bucket(m) >= FRAGMENT_PAIR_MIN_M:
-        out += [replace(c, pair=True) for c in out]
+        out += [replace(c, pair=True, overlap=False) for c in out]
     return out
 
 
@@ -780,7 +783,7 @@ def wdot_launcher(x, words, s, z, *, fmt: int, group: int, n: int, k: int):
                 fits = ws is not None and _fragment_fits(m, n, c.block_m, c.split_k, whole)
                 return run_fragment(x, words, s, z, group=group, n=n, k=k, block_m=c.block_m, stages=c.stages,
                                     q_stages=c.prefetch, split_k=c.split_k if fits else 1, whole=whole,
-                                    pair=c.pair, workspace=ws if fits else None)
+                                    pair=c.pair, overlap=c.overlap, workspace=ws if fits else None)
             if c.specialized:
                 return run_specialized(x, words, s, z, group=group, n=n, k=k, block_m=c.block_m, block_n=c.block_n,
                                        stages=c.stages, q_stages=c.prefetch, w_stages=c.block_w,

@@ -37,9 +37,10 @@ def test_offered_for_packed_int4_from_the_128_row_bucket(monkeypatch):
     # 8192 weight rows at 256 rows: 64 programs of 256 x 128 fill half the SMs, so also split in two; from 256
     # rows each config also with paired tiles, below only unpaired
     got = [c for c in _word.full_depth_candidates(FMT_W4, 256, 8192, 1024, 128, gpu, 1) if c.fragment]
-    assert sorted((c.block_m, c.split_k, c.pair) for c in got) == sorted(
-        (bm, sp, pair) for bm, sp in ((128, 1), (256, 1), (256, 2)) for pair in (False, True))
-    assert not any(c.pair for c in _word.full_depth_candidates(FMT_W4, 128, 8192, 1024, 128, gpu, 1))
+    assert sorted((c.block_m, c.split_k, c.pair, c.overlap) for c in got) == sorted(
+        (bm, sp, pair, not pair) for bm, sp in ((128, 1), (256, 1), (256, 2)) for pair in (False, True))
+    at_128 = [c for c in _word.full_depth_candidates(FMT_W4, 128, 8192, 1024, 128, gpu, 1) if c.fragment]
+    assert at_128 and all(c.overlap and not c.pair for c in at_128)
     assert any(c.fragment for c in _word.full_depth_candidates(FMT_W4, 256, 8192, 1024, 128, gpu, 2))  # fp16
     assert not any(c.fragment for c in _word.full_depth_candidates(FMT_W8, 256, 8192, 2048, 0, gpu, half_x=True))
     assert not any(c.fragment for c in _word.full_depth_candidates(FMT_W4, 256, 8192, 1024, 128, gpu, 0))
@@ -52,9 +53,11 @@ def test_a_fragment_config_launches_the_fragment_kernel(monkeypatch):
     c = _word.WordConfig(256, 128, 8, 1, 8, 5, 7, full_depth=True, order=3, pipelined=True, fragment=True)
     seen = launched_with(monkeypatch, c, "run_fragment")
     assert seen == dict(group=128, n=64, k=256, block_m=256, stages=5, q_stages=7, split_k=1, whole=0,
-                        pair=False, workspace=None)
+                        pair=False, overlap=False, workspace=None)
     seen = launched_with(monkeypatch, _word.replace(c, pair=True), "run_fragment")
-    assert seen["pair"] is True
+    assert (seen["pair"], seen["overlap"]) == (True, False)
+    seen = launched_with(monkeypatch, _word.replace(c, overlap=True), "run_fragment")
+    assert (seen["pair"], seen["overlap"]) == (False, True)
 
 
 def test_a_short_last_wave_is_split_and_the_whole_waves_are_not(monkeypatch):
@@ -69,8 +72,8 @@ def test_a_short_last_wave_is_split_and_the_whole_waves_are_not(monkeypatch):
 
     # 8192 x 28672 at 512 rows: 448 tiles of 256 x 128 = 3 waves + 52 tiles, which 104 half-tile programs replace
     c, paired = tails(512, 28672, 8192)
-    assert (c.fragment, c.block_m, c.split_k, c.fixup, c.pair) == (True, 256, 2, True, False)
-    assert paired == _word.replace(c, pair=True)
+    assert (c.fragment, c.block_m, c.split_k, c.fixup, c.pair, c.overlap) == (True, 256, 2, True, False, True)
+    assert paired == _word.replace(c, pair=True, overlap=False)
     assert _word.fragment_whole(c, 512, 28672, 132) == 396
     assert _word.fragment_whole(c, 450, 28672, 132) == 396  # same tiles at any row count of the 512 bucket
     # 256-row blocks: 152 tiles, 20 left over in 6 slices each; 128-row blocks: 304, 40 left over in 3 slices each
@@ -97,6 +100,14 @@ def test_a_tail_config_launches_with_its_whole_tiles(monkeypatch):
     monkeypatch.setattr(_word, "_sm_count", lambda index: 1)  # one SM: the tile makes a whole wave and runs whole
     seen = launched_with(monkeypatch, c, "run_fragment")
     assert seen["whole"] == 1
+
+
+def test_pair_and_overlap_together_are_refused():
+    x = torch.zeros(4, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="pick one"):
+        _pipelined.run_fragment(x, torch.zeros(64, 16, dtype=torch.int32), torch.zeros(64, 1, dtype=torch.bfloat16),
+                                None, group=128, n=64, k=128, block_m=128, stages=4, q_stages=8, pair=True,
+                                overlap=True)
 
 
 def test_bad_splits_and_a_small_workspace_are_refused_before_launch():
@@ -146,7 +157,7 @@ args = dict(x_desc=TensorDescriptor(x, [m, k], [k, 1], [bm, 64], gl.NVMMASharedL
             stride_om=n)
 sig = {name: mangle_type(v) for name, v in args.items()}
 const = dict(GROUP=128, HAS_ZEROS=True, BLOCK_M=bm, XSTAGES=4, QSTAGES=8, MMA_REGS=232, num_warps=4,
-             PAIR=opts["PAIR"])
+             PAIR=opts["PAIR"], OVERLAP=opts.get("OVERLAP", False))
 sig.update({name: "constexpr" for name in const})
 kernel = triton.compile(GluonASTSource(P.w4_fragment_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": 4})
@@ -236,3 +247,34 @@ def test_paired_tiles_compile_to_eight_mmas_and_one_retire_a_round(tmp_path):
     ops = [op for op, _ in paired]
     last_mma = max(i for i, op in enumerate(ops) if op.startswith("HGMMA"))
     assert sum(op.startswith("SYNCS.ARRIVE") for op in ops[last_mma:]) == 4
+
+
+@pytest.mark.parametrize("bm", [256, 128])
+def test_overlapped_fragments_leave_the_in_flight_registers_alone(tmp_path, bm):
+    """[Note: overlapped fragments]: between the loop's four ``HGMMA`` and their retire come the next tile's word
+    loads (its ring wait and four ``LDS.128``), and nothing there writes a register the in-flight ``HGMMA`` read their
+    A from (the hazard of kernels run 84); the fragments' multiplies come after the retire."""
+    if not _pipelined._gluon_ok():
+        pytest.skip("this triton has no Gluon for Hopper")
+    got = run_compile_script(_COMPILE, [json.dumps(dict(BM=bm, HALF=False, PAIR=False, OVERLAP=True)),
+                                        str(tmp_path / "o.cubin")], tmp_path)
+    code = got["code"]
+    assert not [op for _, op, _ in code if op.startswith(("STL", "LDL"))]
+    hgmma = [i for i, (_, op, _) in enumerate(code) if op.startswith("HGMMA")][:4]  # the loop's, first in the code
+    depbar = next(i for i in range(hgmma[-1], len(code)) if code[i][1].startswith("WARPGROUP.DEPBAR"))
+    assert code[depbar][2].strip() == "gsb0, 0x0"
+    window = code[hgmma[0]:depbar]
+    assert [op for _, op, _ in window if op.startswith("LDS")] == ["LDS.128"] * 4  # the next tile's words
+    assert any(op.startswith("SYNCS.PHASECHK") for _, op, _ in window)  # its ring wait
+    after = code[depbar:depbar + 200]
+    assert sum(op.startswith("HMUL2") for _, op, _ in after) == 16  # its 16 pairs, once the registers are free
+    issued: set[int] = set()  # A registers of the HGMMAs issued so far in the window
+    for _, op, rest in window:
+        if op.startswith("HGMMA"):
+            base = int(re.search(r"\sR\d+, R(\d+), gdesc", rest).group(1))
+            issued |= {base, base + 1, base + 2, base + 3}
+            continue
+        m = re.match(r"\s*R(\d+)\b", rest)
+        if m and not op.startswith(("ST", "SYNCS", "BAR", "RED", "ATOM", "BRA")):
+            assert int(m.group(1)) not in issued, f"{op}{rest} writes an in-flight HGMMA's A register"
+    assert len(issued) == 16
