@@ -16,12 +16,13 @@ at 2048; kernels runs 50-51), so INT4 goes dense from ``pipelined_dense_min_m`` 
 INT8 too, on the same kernel (bf16 / fp16 activations; 0.64-0.80x at 512 rows against dense
 0.55x, kernels runs 51 and 64). Where INT4 can take the kernel that dequantizes into the
 ``wgmma``'s registers ([Note: fragment wdot] in ``_fragment_kernels``, Gluon with ``warp_specialize``)
-it beats dequantize + cuBLAS at 1024 rows on all three benchmark shapes (0.75-0.83x against
-0.72-0.74x) and ties at 2048 (0.84-0.86x against 0.81-0.90x; kernels run 88), so INT4 goes dense
-only from ``fragment_dense_min_m`` rows there. 2:4, plain or + INT4, with bf16 ``x`` keeps ``gemv`` up to
-``sparse_gemv_max_m`` rows where its GEMV on sparse tensor cores runs ([Note: 2:4 GEMV on sparse
-tensor cores] in ``_sparse_mma_kernels``): the rows of ``x`` are that MMA's 8 columns, so 1 to 8
-rows read the weights once.
+it beats dequantize + cuBLAS up to 2048 rows on all three benchmark shapes (kernels run 104, with
+the tail split, paired and overlapped tiles of session 18: 0.78-0.89x against 0.78-0.84x at 2048)
+and loses at 4096 (0.89-0.99x against 0.95-1.02x), so INT4 goes dense only from
+``fragment_dense_min_m`` rows there (3072, between the two; not measured at 3072 itself). 2:4, plain
+or + INT4, with bf16 ``x`` keeps ``gemv`` up to ``sparse_gemv_max_m`` rows where its GEMV on sparse
+tensor cores runs ([Note: 2:4 GEMV on sparse tensor cores] in ``_sparse_mma_kernels``): the rows of
+``x`` are that MMA's 8 columns, so 1 to 8 rows read the weights once.
 Shapes the word kernels cannot read, and the 2:4 formats above ``gemv_max_m``, use
 the generic skeleton: split-K keeps the GPU full when the output has few tiles. At
 medium ``M`` a tiled GEMM still saves bytes. At large ``M`` the matmul is compute-bound
@@ -52,7 +53,7 @@ class KernelPolicy:
                                                  ("sparse24_w4a16", 128))
     semi_min_m: int = 128
     pipelined_dense_min_m: int = 1024  # INT4 / INT8 where the pipelined kernel runs ([Note: crossover])
-    fragment_dense_min_m: int = 2048  # INT4 where the register-operand kernel runs ([Note: crossover])
+    fragment_dense_min_m: int = 3072  # INT4 where the register-operand kernel runs ([Note: crossover])
     sparse_gemv_max_m: int = 8  # 2:4 (plain, + INT4) keeps gemv up to here where it runs on sparse tensor cores
     force: str | None = None
 
