@@ -5,7 +5,7 @@ shape, for a profiler to pick one (the first compiles and warms up). On an sm_90
         --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active \\
         python benchmarks/profile_fragment.py --shape 8192x28672 --m 512
 
-Where each instruction's warps stall (kernels run 99): ``--set full -o rep`` instead of the sections, then
+Where each instruction's warps stall (kernels run 100): ``--set full -o rep`` instead of the sections, then
 ``ncu -i rep.ncu-rep --page source --csv --print-source sass``.
 """
 from __future__ import annotations

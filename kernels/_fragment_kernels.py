@@ -59,14 +59,14 @@ to them until the ``DEPBAR``: the ring wait, the four shared-memory loads of the
 and packing, and part of the shifts and masks run under the ``wgmma``; the subtract and multiply that write the
 fragments come after it (``tests/test_kernels_fragment.py`` checks that no write to an in-flight A register comes
 before the retire: the hazard of kernels run 84 above). So the latency of each tile's loads now hides under the warp
-group's own ``wgmma`` as well as the other warp group's (kernels run 102: +4 to +12 % with 256-row blocks, equal with
+group's own ``wgmma`` as well as the other warp group's (kernels run 104: +4 to +12 % with 256-row blocks, equal with
 128; bit for bit the same output). The tuner's unpaired configs all overlap.
 
 Measured on an H100 (benchmarks/RESULTS.md, kernels runs 86-88, over cuBLAS bf16): 1.11-1.23x at 128 rows,
 0.92-0.93x at 256, 0.74-0.82x at 512 and 0.75-0.83x at 1024, the fastest of the INT4 kernels in every cell. Then
 (session 18) the tail split, paired tiles and scales packed a group after their load (``_group_load``: Nsight's
-stall sampling had the warp groups waiting on the scale loads at each group's start, kernels run 99): +3 to +16 %
-in every cell (run 100).
+stall sampling had the warp groups waiting on the scale loads at each group's start, kernels run 100): +3 to +16 %
+in every cell (runs 101-102).
 """
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def _spread(v, like):
 def _group_load(s_ptr, z_ptr, rows, rmask, g, stride_sn, HAS_ZEROS: gl.constexpr):
     """Group ``g``'s scales and zero points of the rows as stored (symmetric: the scales twice); packed by
     ``_group_pack`` only when the group starts, a group after the load, so that no instruction waits for it (kernels
-    run 99: packing at the load stalled the warp groups on it)."""
+    run 100: packing at the load stalled the warp groups on it)."""
     s = gl.load(s_ptr + rows * stride_sn + g, mask=rmask, other=0.0)
     z = s
     if HAS_ZEROS:

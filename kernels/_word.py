@@ -341,7 +341,7 @@ FRAGMENT_TILES = ((128, 4), (256, 4))
 FRAGMENT_MIN_M = 128
 # from here each of its configs also with two tiles a wgmma round ([Note: paired tiles]); kernels run 96: +2 to +5 %
 # in most cells from 512 to 2048 rows, -3 to -12 % in some, so the tuner chooses. Unpaired configs overlap each
-# wgmma with the next tile's dequantization ([Note: overlapped fragments]; run 102: +4 to +12 % with 256-row blocks)
+# wgmma with the next tile's dequantization ([Note: overlapped fragments]; run 104: +4 to +12 % with 256-row blocks)
 FRAGMENT_PAIR_MIN_M = 256
 
 

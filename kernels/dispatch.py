@@ -16,7 +16,7 @@ at 2048; kernels runs 50-51), so INT4 goes dense from ``pipelined_dense_min_m`` 
 INT8 too, on the same kernel (bf16 / fp16 activations; 0.64-0.80x at 512 rows against dense
 0.55x, kernels runs 51 and 64). Where INT4 can take the kernel that dequantizes into the
 ``wgmma``'s registers ([Note: fragment wdot] in ``_fragment_kernels``, Gluon with ``warp_specialize``)
-it beats dequantize + cuBLAS up to 2048 rows on all three benchmark shapes (kernels run 104, with
+it beats dequantize + cuBLAS up to 2048 rows on all three benchmark shapes (kernels run 106, with
 the tail split, paired and overlapped tiles of session 18: 0.78-0.89x against 0.78-0.84x at 2048)
 and loses at 4096 (0.89-0.99x against 0.95-1.02x), so INT4 goes dense only from
 ``fragment_dense_min_m`` rows there (3072, between the two; not measured at 3072 itself). 2:4, plain

@@ -149,7 +149,7 @@ def test_int4_goes_dense_later_where_the_pipelined_kernel_runs(monkeypatch):
     assert policy.path("sparse24", 512, pipelined=True) == "dense"
     assert policy.path("w4a16", 512, pipelined=True, wdot=False) == "dense"  # no tile for these groups
     assert KernelPolicy(pipelined_dense_min_m=256).path("w4a16", 300, pipelined=True) == "wdot"  # never earlier
-    # INT4 with the register-operand kernel keeps wdot to 3071 rows (kernels run 104: it ties or wins at 2048, loses
+    # INT4 with the register-operand kernel keeps wdot to 3071 rows (kernels run 106: it ties or wins at 2048, loses
     # at 4096); INT8 does not take that kernel
     assert policy.path("w4a16", 1024, pipelined=True, fragment=True) == "wdot"
     assert policy.path("w4a16", 2048, pipelined=True, fragment=True) == "wdot"
