@@ -3,7 +3,7 @@ of itself, in one process: a copy of ``kernels/_fragment_kernels.py`` from anoth
 
     git show 10aadef:kernels/_fragment_kernels.py > /tmp/base.py     # here, before the run
     python benchmarks/fragment_ab.py --base /tmp/base.py [--ms 128 256 512 1024 2048] [--shapes 8192x8192 ...]
-                                     [--overlap]
+                                     [--overlap | --overlap-both]
 
 For each shape (K x N), row count and config (128- or 256-row blocks of ``x``, paired tiles or not, the tuner's
 split: [Note: tail split]), both versions run the same config twice in turn (A, B, A, B) and the best of each is
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from zspeed.compress import quantize_int4
 from zspeed.kernels import _fragment_kernels, _pipelined, _word
-from zspeed.kernels._runtime import cdiv, graph_time_ms
+from zspeed.kernels._runtime import cdiv, graph_time_ms, m_bucket
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gemv_check import _shape  # noqa: E402  (the same "KxN" shape argument)
@@ -57,6 +57,7 @@ def main() -> None:
     p.add_argument("--overlap", action="store_true",
                    help="run this version with each wgmma in flight during the next tile's dequantization "
                         "([Note: overlapped fragments]); the base as it is")
+    p.add_argument("--overlap-both", action="store_true", help="both versions with overlapped fragments")
     args = p.parse_args()
     versions = (("base", _load_base(args.base)), ("new", _fragment_kernels))
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -70,21 +71,25 @@ def main() -> None:
             bf = graph_time_ms(lambda: F.linear(x, wd))
             row = dict(k=k, n=n, m=m, bf16_us=round(bf * 1e3, 1))
             ws = _word._stationary_workspace(x.device)
-            for bm, pair in ((128, False), (256, False), (256, True)):
+            small = m_bucket(m) < _word.FRAGMENT_MIN_M  # one block of x ([Note: fragment wdot at small M])
+            blocks = ((max(8, m_bucket(m)), False), ) if small else ((128, False), (256, False), (256, True))
+            xs, qs = _word.FRAGMENT_SMALL_STAGES if small else (4, 8)
+            for bm, pair in blocks:
                 if bm > max(128, m):
                     continue
                 sp, whole = _split(m, n, k, bm, sms)
 
                 def fn(extra):
                     return _pipelined.run_fragment(x, words, q.scales, q.zeros, group=128, n=n, k=k, block_m=bm,
-                                                   stages=4, q_stages=8, split_k=sp, whole=whole, pair=pair,
+                                                   stages=xs, q_stages=qs, split_k=sp, whole=whole, pair=pair,
                                                    workspace=ws, **extra)
 
                 best, outs = {}, {}
                 for _ in range(2):
                     for name, module in versions:
                         _pipelined._fragment_kernels = lambda module=module: module
-                        extra = dict(overlap=True) if args.overlap and name == "new" and not pair else {}
+                        overlap = (args.overlap and name == "new") or args.overlap_both
+                        extra = dict(overlap=True) if overlap and not pair else {}
                         outs[name] = fn(extra)
                         best[name] = max(best.get(name, 0.0), bf / graph_time_ms(lambda: fn(extra)))
                 row[f"bm{bm}{'_pair' if pair else ''}_split{sp}"] = dict(

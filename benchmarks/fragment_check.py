@@ -2,16 +2,18 @@
 warp-specialized one, bit for bit: both dequantize ``(q - z) * s`` with one rounding and run the same ``wgmma``
 steps in the same order, so their outputs must be identical. On an sm_90 GPU:
 
-    python benchmarks/fragment_check.py
+    python benchmarks/fragment_check.py [--small]
 
 Odd row and column counts, split-K (2 and 3 slices: odd tile counts), symmetric and fp16, each also with paired
 tiles ([Note: paired tiles]); every output on NaN-filled memory.
 Then the tail split ([Note: tail split]): each tile it runs whole must equal the unsplit kernel's output and each
-tile it splits the uniformly split kernel's, bit for bit. Prints one JSON line per case and ``ALL EXACT`` or the
-cases that differ.
+tile it splits the uniformly split kernel's, bit for bit. Then small blocks of ``x`` (8 to 64 rows), overlapped and
+not, and in ring slots of two tiles ([Note: slots of two tiles]), bit for bit, all near the fp32 reference. Prints
+one JSON line per case and ``ALL EXACT`` or the cases that differ.
 """
 from __future__ import annotations
 
+import argparse
 import json
 
 import torch
@@ -37,11 +39,24 @@ TAIL_CASES = [  # (K, N, M, block_m, split_k, whole tiles, symmetric, dtype)
     (8192, 4096, 700, 256, 5, 3, True, torch.float16),  # 96 tiles
 ]
 
+# one block of x as small as the rows allow, eight x and word buffers ([Note: fragment wdot at small M]): the plain
+# and overlapped schedules and slots of two tiles bit for bit, all against the fp32 reference
+SMALL_CASES = [  # (K, N, M, block_m, split_k, symmetric, dtype)
+    (8192, 8192, 1, 8, 2, False, torch.bfloat16),
+    (4096 + 128, 1000, 5, 8, 1, False, torch.bfloat16),
+    (8192, 4096, 16, 16, 3, True, torch.bfloat16),
+    (8192, 8192, 33, 64, 2, False, torch.float16),
+    (28672, 8192, 64, 64, 2, False, torch.bfloat16),
+]
+
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--small", action="store_true", help="only the small blocks of x (and slots of two tiles)")
+    args = p.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     bad = []
-    for k, n, m, bm, sp, sym, dt in CASES:
+    for k, n, m, bm, sp, sym, dt in [] if args.small else CASES:
         w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.float32) * 0.02
         q = quantize_int4(w, group_size=128, symmetric=sym, scale_dtype=dt)
         words = q.qweight.view(torch.int32)
@@ -64,7 +79,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         if diff or row["nan"] or not err < 1e-2:
             bad.append(row)
-    for k, n, m, bm, sp, whole, sym, dt in TAIL_CASES:
+    for k, n, m, bm, sp, whole, sym, dt in [] if args.small else TAIL_CASES:
         w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.float32) * 0.02
         q = quantize_int4(w, group_size=128, symmetric=sym, scale_dtype=dt)
         words = q.qweight.view(torch.int32)
@@ -87,6 +102,29 @@ def main() -> None:
                    split_differs=int((one != split).sum()))  # > 0: the check can tell the two apart
         print(json.dumps(row), flush=True)
         if diff or row["nan"] or not row["split_differs"]:
+            bad.append(row)
+    for k, n, m, bm, sp, sym, dt in SMALL_CASES:  # [Note: fragment wdot at small M]
+        w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.float32) * 0.02
+        q = quantize_int4(w, group_size=128, symmetric=sym, scale_dtype=dt)
+        words = q.qweight.view(torch.int32)
+        x = torch.randn(m, k, device="cuda", generator=g).to(dt)
+        ws = _word._stationary_workspace(x.device) if sp > 1 else None
+        args = dict(group=128, n=n, k=k, block_m=bm, stages=8, q_stages=8, split_k=sp, workspace=ws)
+        torch.empty(m, n, device="cuda", dtype=dt).fill_(float("nan"))
+        plain = run_fragment(x, words, q.scales, q.zeros, **args)
+        overlapped = run_fragment(x, words, q.scales, q.zeros, overlap=True, **args)
+        # [Note: slots of two tiles]: the same tiles in the same order; K is sliced in whole slots, so where that
+        # moves a slice's bounds (128 tiles in three slices: 43, 43, 42 tiles or 44, 44, 40) the partials differ
+        slots = run_fragment(x, words, q.scales, q.zeros, overlap=True, sub=2, **{**args, "stages": 3, "q_stages": 3})
+        same_slices = -(-(k // 64) // sp) == 2 * -(-(k // 128) // sp)
+        ref = x.float() @ q.dequantize(torch.float32).to(dt).float().t()
+        err = max(((o.float() - ref).norm() / ref.norm()).item() for o in (overlapped, slots))
+        row = dict(k=k, n=n, m=m, block_m=bm, split_k=sp, symmetric=sym, dtype=str(dt), same_slices=same_slices,
+                   ndiff=int((plain != overlapped).sum()) + (int((slots != overlapped).sum()) if same_slices else 0),
+                   slots_ndiff=int((slots != overlapped).sum()),
+                   nan=bool(overlapped.isnan().any() or slots.isnan().any()), rel_err=err)
+        print(json.dumps(row), flush=True)
+        if row["ndiff"] or row["nan"] or not err < 1e-2:
             bad.append(row)
     print("ALL EXACT" if not bad else f"DIFFER: {bad}")
 

@@ -16,9 +16,12 @@ MMA warp groups dequantize their own 64 weight rows straight into the registers 
   ``(64, 8 words, 4 lanes t, 2 columns)`` in a linear layout whose bases are the fragment's, so that reshaping it to
   ``(64, 64)`` and converting to the ``wgmma`` operand layout moves no data (sm_90 SASS: no shared-memory store or
   shuffle in the loop);
-- a pair costs two shifts, two ``lop3`` (``128 + q`` in both halves), a ``sub`` of ``128 + z`` (exact) and a
-  ``mul`` by the scale: one rounding, as in [Note: packed INT4 dequantization] in ``_wmma_kernels``, so the output
-  is bit for bit the warp-specialized kernel's (``benchmarks/fragment_check.py``);
+- a pair costs a ``prmt`` (byte ``t``, zero-extended), a multiply by ``0x1001`` (the byte's low nibble stays at bits
+  0-3, its high nibble lands at bits 16-19), one ``lop3`` (both nibbles masked, ``128 + q`` in both halves), a
+  ``sub`` of ``128 + z`` (exact) and a ``mul`` by the scale: one rounding, as in [Note: packed INT4 dequantization]
+  in ``_wmma_kernels``, so the output is bit for bit the warp-specialized kernel's (``benchmarks/fragment_check.py``).
+  Session 19 replaced two shifts and two ``lop3`` by the first three: 187 -> 172 instructions a tile in the loop
+  with 8-row blocks (sm_90 SASS), +1 to +9 % (kernels run 112);
 - each of the two MMA warp groups is its own partition (``gl.warp_specialize``), on its own 64 of the program's
   128 weight rows, and one loader warp keeps rings of word tiles and ``x`` blocks full by TMA. A slot is refilled
   once both warp groups have released it: its ``empty`` mbarrier counts two arrives, one a warp group (an arrive is
@@ -62,6 +65,26 @@ before the retire: the hazard of kernels run 84 above). So the latency of each t
 group's own ``wgmma`` as well as the other warp group's (kernels run 104: +4 to +12 % with 256-row blocks, equal with
 128; bit for bit the same output). The tuner's unpaired configs all overlap.
 
+[Note: fragment wdot at small M] Below 128 rows the kernel runs with one block of ``x`` as small as the rows allow
+(``BLOCK_M`` 8 to 64, the ``wgmma``'s N), so that a program streams its 128 weight rows once through the TMA rings
+like a GEMV on tensor cores; eight (or six) ``x`` and word buffers, as the tuner finds (kernels run 111: more
+buffers were slower). The MMA is nearly free there and the loop is bound by instruction issue: ~170 instructions a
+warp a tile, ~100 of them the dequantization, for 4 KB of words (Nsight Compute, run 110: 0.56 instructions a cycle
+a scheduler, the rest waiting on the rings). Over the Triton ``wdot`` it wins at 32 and 64 rows (+5 to +18 %) and
+is within a few percent either way at 4 and 16, so the tuner times both from 2 rows (``_word.FRAGMENT_SMALL_MIN_M``).
+
+[Note: slots of two tiles] Every mbarrier wait and arrive of a warp group costs a warp-group ``bar.sync`` besides
+the one before the arrives (Triton 3.6 puts one before each, sm_90 PTX): four a tile, plus the try-wait loops and
+their address arithmetic. With ``SUB = 2`` a ring slot holds two 64-column tiles of words and of ``x`` (two TMA copies
+on one mbarrier each), so a warp group waits for and releases a slot every two tiles: the loop of two tiles is 280
+instructions where two one-tile rounds are 344 (16-row blocks), and the second tile's dequantization runs under the
+first tile's ``wgmma`` in registers of its own (11 of its 16 multiplies before the retire). The tiles, their order
+and so the output are those of ``SUB = 1`` (``benchmarks/fragment_check.py``), except that split-K slices ``K`` in
+whole slots, which can move a slice's bounds (and so the rounding of the partials); ``stages`` and ``q_stages`` count
+slots. Only overlapped; ``K`` a multiple of 128. Kernels run 115: at 16 rows +5 and +14 % on
+8192x28672 and 28672x8192 (three slots each), -10 % on 8192x8192, and 2-6 % slower at 1024 rows, so the tuner
+offers it for blocks of 8 and 16 rows only.
+
 Measured on an H100 (benchmarks/RESULTS.md, kernels runs 86-88, over cuBLAS bf16): 1.11-1.23x at 128 rows,
 0.92-0.93x at 256, 0.74-0.82x at 512 and 0.75-0.83x at 1024, the fastest of the INT4 kernels in every cell. Then
 (session 18) the tail split, paired tiles and scales packed a group after their load (``_group_load``: Nsight's
@@ -78,11 +101,14 @@ from ._pipelined_kernels import BK, BW, _cta_barrier, _split_tiles, _store_acc, 
 
 
 def _fragment_asm(magic: str, pair: str) -> str:
-    """``$0`` the pair of columns ``2t, 2t + 1`` of a word's byte ``t``: ``$1`` the word, ``$3`` ``8t``, ``$5`` the
-    scale and ``$7`` ``128 + z`` (fp16: ``1024 + z``) as 16-bit pairs ($2, $4, $6, $8 are their copies: pack 2)."""
-    return "\n".join(["{", ".reg .b32 d, h;", "shr.u32 d, $1, $3;", "shl.b32 h, d, 12;",
-                      f"lop3.b32 d, d, 0x0000000f, {magic}, 0xea;",  # (d & 0xf) | magic: 128 + low nibble, 128
-                      "lop3.b32 d, h, 0x000f0000, d, 0xea;",  # | the high nibble in the high half
+    """``$0`` the pair of columns ``2t, 2t + 1`` of a word's byte ``t``: ``$1`` the word, ``$3`` ``0x4440 + t`` (the
+    ``prmt`` selector of byte ``t``), ``$5`` the scale and ``$7`` ``128 + z`` (fp16: ``1024 + z``) as 16-bit pairs
+    ($2, $4, $6, $8 are their copies: pack 2). ``b * 0x1001 = b | b << 12`` puts the byte's low nibble at bits 0-3
+    and its high nibble at bits 16-19, where one ``lop3`` masks both and ors the magic number in: three integer
+    instructions a pair ([Note: fragment wdot])."""
+    return "\n".join(["{", ".reg .b32 d;", "prmt.b32 d, $1, 0, $3;",  # byte t, zero-extended
+                      "mul.lo.u32 d, d, 4097;",  # b | b << 12
+                      f"lop3.b32 d, d, 0x000f000f, {magic}, 0xea;",  # (d & 0x000f000f) | magic: 128 + each nibble
                       f"sub.rn.{pair} d, d, $7;", f"mul.rn.{pair} $0, d, $5;", "}"])
 
 
@@ -93,22 +119,25 @@ _ASM_FRAG_IO = gl.constexpr("=r," + ",".join(["r"] * 8))
 
 @gluon.jit
 def _load_part(x_desc, w_desc, x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, off_m, off_n, t_lo, n_tiles,
-               XSTAGES: gl.constexpr, QSTAGES: gl.constexpr):
-    """The loader warp: words run ``QSTAGES - XSTAGES`` tiles ahead of ``x`` (they come from HBM, ``x`` mostly from
-    L2), each copy issued once its slot is free."""
+               XSTAGES: gl.constexpr, QSTAGES: gl.constexpr, SUB: gl.constexpr):
+    """The loader warp: words run ``QSTAGES - XSTAGES`` slots ahead of ``x`` (they come from HBM, ``x`` mostly from
+    L2), each slot's copies (``SUB`` tiles, [Note: slots of two tiles]) issued once the slot is free."""
     LEAD: gl.constexpr = QSTAGES - XSTAGES
-    for i in range(n_tiles + LEAD):
-        if i < n_tiles:
+    n_slots = n_tiles // SUB
+    for i in range(n_slots + LEAD):
+        if i < n_slots:
             qs = i % QSTAGES
             mbarrier.wait(q_empty.index(qs), ((i // QSTAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
-            mbarrier.expect(q_ready.index(qs), w_desc.block_type.nbytes)
-            _tma_load(w_desc, [off_n, (t_lo + i) * BW], q_ready.index(qs), q_smem.index(qs))
+            mbarrier.expect(q_ready.index(qs), SUB * w_desc.block_type.nbytes)
+            for h in gl.static_range(SUB):
+                _tma_load(w_desc, [off_n, (t_lo + i * SUB + h) * BW], q_ready.index(qs), q_smem.index(qs * SUB + h))
         j = i - LEAD
         if j >= 0:
             xs = j % XSTAGES
             mbarrier.wait(x_empty.index(xs), ((j // XSTAGES) & 1) ^ 1)
-            mbarrier.expect(x_ready.index(xs), x_desc.block_type.nbytes)
-            _tma_load(x_desc, [off_m, (t_lo + j) * BK], x_ready.index(xs), x_smem.index(xs))
+            mbarrier.expect(x_ready.index(xs), SUB * x_desc.block_type.nbytes)
+            for h in gl.static_range(SUB):
+                _tma_load(x_desc, [off_m, (t_lo + j * SUB + h) * BK], x_ready.index(xs), x_smem.index(xs * SUB + h))
 
 
 @gluon.jit
@@ -144,27 +173,41 @@ def _group_pack(s, z, HAS_ZEROS: gl.constexpr, HALF: gl.constexpr):
 
 
 @gluon.jit
-def _fragments(q_smem, q_ready, j, t, s_cur, z_cur, s_nxt, z_nxt, s_ptr, z_ptr, rows, rmask, groups, shift, like,
+def _fragments(q_smem, q_ready, j, t, s_cur, z_cur, s_nxt, z_nxt, s_ptr, z_ptr, rows, rmask, groups, sel, like,
                stride_sn, WG: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, HALF: gl.constexpr,
                QSTAGES: gl.constexpr, W_L: gl.constexpr, a_l: gl.constexpr):
     """Tile ``j`` (``t`` of ``K``) of the warp group's rows as the ``wgmma``'s A fragments, and the scales after it:
-    ``s_cur, z_cur`` packed, ``s_nxt, z_nxt`` the next group's as loaded a group ahead (``_group_load``)."""
+    ``s_cur, z_cur`` packed, ``s_nxt, z_nxt`` the next group's as loaded a group ahead (``_group_load``). One tile
+    a slot of the word ring."""
+    qs = j % QSTAGES
+    a, s_cur, z_cur, s_nxt, z_nxt = _fragments_in(q_smem, q_ready, qs, (j // QSTAGES) & 1, qs, j, t, s_cur, z_cur,
+                                                  s_nxt, z_nxt, s_ptr, z_ptr, rows, rmask, groups, sel, like,
+                                                  stride_sn, True, WG, GROUP, HAS_ZEROS, HALF, W_L, a_l)
+    return a, s_cur, z_cur, s_nxt, z_nxt
+
+
+@gluon.jit
+def _fragments_in(q_smem, q_ready, slot, phase, buf, j, t, s_cur, z_cur, s_nxt, z_nxt, s_ptr, z_ptr, rows, rmask,
+                  groups, sel, like, stride_sn, WAIT: gl.constexpr, WG: gl.constexpr, GROUP: gl.constexpr,
+                  HAS_ZEROS: gl.constexpr, HALF: gl.constexpr, W_L: gl.constexpr, a_l: gl.constexpr):
+    """``_fragments`` of the word tile in buffer ``buf``; with ``WAIT``, after waiting for ring slot ``slot`` in
+    ``phase`` (a slot of ``SUB`` tiles is waited for at its first: [Note: slots of two tiles])."""
     TILES_PER_GROUP: gl.constexpr = GROUP // BK
     if (t % TILES_PER_GROUP == 0) & (j > 0):
         s_cur, z_cur = _group_pack(s_nxt, z_nxt, HAS_ZEROS, HALF)
         s_nxt, z_nxt = _group_load(s_ptr, z_ptr, rows, rmask, gl.minimum(t // TILES_PER_GROUP + 1, groups - 1),
                                    stride_sn, HAS_ZEROS)
-    qs = j % QSTAGES
-    mbarrier.wait(q_ready.index(qs), (j // QSTAGES) & 1)
-    w = q_smem.index(qs).slice(WG * 64, 64, dim=0).load(W_L)
+    if WAIT:
+        mbarrier.wait(q_ready.index(slot), phase)
+    w = q_smem.index(buf).slice(WG * 64, 64, dim=0).load(W_L)
     w4 = gl.broadcast(gl.expand_dims(gl.expand_dims(w, 2), 3), like)[0]
     if HALF:
         f = gl.inline_asm_elementwise(_ASM_FRAG_F16, _ASM_FRAG_IO,
-                                      [w4, shift, _spread(s_cur, like), _spread(z_cur, like)],
+                                      [w4, sel, _spread(s_cur, like), _spread(z_cur, like)],
                                       dtype=gl.float16, is_pure=True, pack=2)
     else:
         f = gl.inline_asm_elementwise(_ASM_FRAG_BF16, _ASM_FRAG_IO,
-                                      [w4, shift, _spread(s_cur, like), _spread(z_cur, like)],
+                                      [w4, sel, _spread(s_cur, like), _spread(z_cur, like)],
                                       dtype=gl.bfloat16, is_pure=True, pack=2)
     a = gl.convert_layout(gl.reshape(f, [64, BK]), a_l)
     return a, s_cur, z_cur, s_nxt, z_nxt
@@ -174,7 +217,7 @@ def _fragments(q_smem, q_ready, j, t, s_cur, z_cur, s_nxt, z_nxt, s_ptr, z_ptr, 
 def _consumer(x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, off_n,
               off_m, M, N, K, t_lo, n_tiles, tile, k_slice, split, p_tile, stride_sn, stride_om, WG: gl.constexpr,
               GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_M: gl.constexpr, XSTAGES: gl.constexpr,
-              QSTAGES: gl.constexpr, PAIR: gl.constexpr, OVERLAP: gl.constexpr):
+              QSTAGES: gl.constexpr, PAIR: gl.constexpr, OVERLAP: gl.constexpr, SUB: gl.constexpr):
     """One MMA warp group (its own partition): weight rows ``off_n + 64 WG ..``, each tile's words -> A fragments in
     registers -> ``wgmma``, retired before the next tile's fragments take the registers (with ``PAIR``, two tiles'
     fragments, then both ``wgmma``, then one retire); then its rows of the output."""
@@ -196,8 +239,8 @@ def _consumer(x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, 
     rows = row0 + gl.arange(0, 64, layout=R_L)
     rmask = rows < N
     like = gl.zeros([64, BW, 4, 2], gl.int32, L4)
-    t_idx = gl.arange(0, 4, layout=T_L) * 8
-    shift = gl.broadcast(gl.expand_dims(gl.expand_dims(gl.expand_dims(t_idx, 0), 1), 3), like)[0]
+    t_idx = gl.arange(0, 4, layout=T_L) + 0x4440  # the prmt selector of byte t ([Note: fragment wdot])
+    sel = gl.broadcast(gl.expand_dims(gl.expand_dims(gl.expand_dims(t_idx, 0), 1), 3), like)[0]
     TILES_PER_GROUP: gl.constexpr = GROUP // BK
     groups = K // GROUP
     g0 = t_lo // TILES_PER_GROUP
@@ -211,10 +254,10 @@ def _consumer(x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, 
         for jj in range(n_tiles // 2):
             j = 2 * jj
             a0, s_cur, z_cur, s_nxt, z_nxt = _fragments(q_smem, q_ready, j, t_lo + j, s_cur, z_cur, s_nxt, z_nxt,
-                                                         s_ptr, z_ptr, rows, rmask, groups, shift, like, stride_sn,
+                                                         s_ptr, z_ptr, rows, rmask, groups, sel, like, stride_sn,
                                                          WG, GROUP, HAS_ZEROS, HALF, QSTAGES, W_L, a_l)
             a1, s_cur, z_cur, s_nxt, z_nxt = _fragments(q_smem, q_ready, j + 1, t_lo + j + 1, s_cur, z_cur, s_nxt,
-                                                         z_nxt, s_ptr, z_ptr, rows, rmask, groups, shift, like,
+                                                         z_nxt, s_ptr, z_ptr, rows, rmask, groups, sel, like,
                                                          stride_sn, WG, GROUP, HAS_ZEROS, HALF, QSTAGES, W_L, a_l)
             x0 = j % XSTAGES
             x1 = (j + 1) % XSTAGES
@@ -228,18 +271,51 @@ def _consumer(x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, 
             mbarrier.arrive(q_empty.index((j + 1) % QSTAGES))
             mbarrier.arrive(x_empty.index(x0))
             mbarrier.arrive(x_empty.index(x1))
+    elif SUB > 1:  # [Note: slots of two tiles], overlapped as below
+        n_single = 0
+        n_slots = n_tiles // SUB
+        if n_slots > 0:
+            a, s_cur, z_cur, s_nxt, z_nxt = _fragments_in(q_smem, q_ready, 0, 0, 0, 0, t_lo, s_cur, z_cur, s_nxt,
+                                                          z_nxt, s_ptr, z_ptr, rows, rmask, groups, sel, like,
+                                                          stride_sn, True, WG, GROUP, HAS_ZEROS, HALF, W_L, a_l)
+            for i in range(n_slots):
+                xs = i % XSTAGES
+                qs = i % QSTAGES
+                mbarrier.wait(x_ready.index(xs), (i // XSTAGES) & 1)
+                for h in gl.static_range(SUB):
+                    j = i * SUB + h
+                    acc = warpgroup_mma(a, x_smem.index(xs * SUB + h).permute((1, 0)), acc, is_async=True)
+                    if h == SUB - 1:
+                        # the next slot's first tile; after the last slot its own last tile again (its slot is not
+                        # released yet, so the wait passes), built and dropped
+                        nxt = gl.minimum(i + 1, n_slots - 1)
+                        ns = nxt % QSTAGES
+                        b, s_cur, z_cur, s_nxt, z_nxt = _fragments_in(
+                            q_smem, q_ready, ns, (nxt // QSTAGES) & 1, ns * SUB, j + 1, t_lo + nxt * SUB, s_cur,
+                            z_cur, s_nxt, z_nxt, s_ptr, z_ptr, rows, rmask, groups, sel, like, stride_sn, True, WG,
+                            GROUP, HAS_ZEROS, HALF, W_L, a_l)
+                    else:
+                        b, s_cur, z_cur, s_nxt, z_nxt = _fragments_in(
+                            q_smem, q_ready, qs, 0, qs * SUB + h + 1, j + 1, t_lo + j + 1, s_cur, z_cur, s_nxt, z_nxt,
+                            s_ptr, z_ptr, rows, rmask, groups, sel, like, stride_sn, False, WG, GROUP, HAS_ZEROS,
+                            HALF, W_L, a_l)
+                    acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
+                    a = b
+                _cta_barrier()  # this warp group: its words of the slot read, its wgmma retired
+                mbarrier.arrive(q_empty.index(qs))
+                mbarrier.arrive(x_empty.index(xs))
     elif OVERLAP:  # [Note: overlapped fragments]
         n_single = 0
         if n_tiles > 0:
             a, s_cur, z_cur, s_nxt, z_nxt = _fragments(q_smem, q_ready, 0, t_lo, s_cur, z_cur, s_nxt, z_nxt, s_ptr,
-                                                       z_ptr, rows, rmask, groups, shift, like, stride_sn, WG, GROUP,
+                                                       z_ptr, rows, rmask, groups, sel, like, stride_sn, WG, GROUP,
                                                        HAS_ZEROS, HALF, QSTAGES, W_L, a_l)
             for j in range(n_tiles - 1):
                 xs = j % XSTAGES
                 mbarrier.wait(x_ready.index(xs), (j // XSTAGES) & 1)
                 acc = warpgroup_mma(a, x_smem.index(xs).permute((1, 0)), acc, is_async=True)
                 b, s_cur, z_cur, s_nxt, z_nxt = _fragments(q_smem, q_ready, j + 1, t_lo + j + 1, s_cur, z_cur, s_nxt,
-                                                           z_nxt, s_ptr, z_ptr, rows, rmask, groups, shift, like,
+                                                           z_nxt, s_ptr, z_ptr, rows, rmask, groups, sel, like,
                                                            stride_sn, WG, GROUP, HAS_ZEROS, HALF, QSTAGES, W_L, a_l)
                 # ``a`` is a dependency of the retire: its registers stay the in-flight wgmma's until here
                 acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
@@ -258,7 +334,7 @@ def _consumer(x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, 
     for i in range(n_single):
         j = n_tiles - n_single + i
         a, s_cur, z_cur, s_nxt, z_nxt = _fragments(q_smem, q_ready, j, t_lo + j, s_cur, z_cur, s_nxt, z_nxt, s_ptr,
-                                                   z_ptr, rows, rmask, groups, shift, like, stride_sn, WG, GROUP,
+                                                   z_ptr, rows, rmask, groups, sel, like, stride_sn, WG, GROUP,
                                                    HAS_ZEROS, HALF, QSTAGES, W_L, a_l)
         xs = j % XSTAGES
         mbarrier.wait(x_ready.index(xs), (j // XSTAGES) & 1)
@@ -278,7 +354,7 @@ def _consumer(x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, 
 def w4_fragment_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M, N, K, WHOLE, SPLIT_K,
                        stride_sn, stride_om, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_M: gl.constexpr,
                        XSTAGES: gl.constexpr, QSTAGES: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
-                       PAIR: gl.constexpr = False, OVERLAP: gl.constexpr = False):
+                       PAIR: gl.constexpr = False, OVERLAP: gl.constexpr = False, SUB: gl.constexpr = 1):
     """``out[M, N] = x @ dequant(W)^T`` for INT4 words, ``x`` and scales in bf16 or fp16 ([Note: fragment wdot]).
     Tiles of 128 weight rows x ``BLOCK_M`` rows of ``x``, numbered weight-row block first; the first ``WHOLE`` run
     whole, each of the others in ``SPLIT_K`` slices of ``K`` ([Note: tail split]): a 1-D grid of ``WHOLE + (tiles -
@@ -295,10 +371,12 @@ def w4_fragment_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_pt
     row_blocks = gl.cdiv(N, 128)
     off_n = (tile % row_blocks) * 128
     off_m = (tile // row_blocks) * BLOCK_M
-    t_lo, n_tiles = _split_tiles(K, split, k_slice)
+    t_lo, n_tiles = _split_tiles(K // SUB, split, k_slice)  # in slots of SUB tiles ([Note: slots of two tiles])
+    t_lo = t_lo * SUB
+    n_tiles = n_tiles * SUB
 
-    x_smem = gl.allocate_shared_memory(x_desc.dtype, [XSTAGES, BLOCK_M, BK], x_desc.layout)
-    q_smem = gl.allocate_shared_memory(gl.int32, [QSTAGES, 128, BW], w_desc.layout)
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [XSTAGES * SUB, BLOCK_M, BK], x_desc.layout)
+    q_smem = gl.allocate_shared_memory(gl.int32, [QSTAGES * SUB, 128, BW], w_desc.layout)
     x_ready = gl.allocate_shared_memory(gl.int64, [XSTAGES, 1], mbarrier.MBarrierLayout())
     x_empty = gl.allocate_shared_memory(gl.int64, [XSTAGES, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [QSTAGES, 1], mbarrier.MBarrierLayout())
@@ -313,12 +391,12 @@ def w4_fragment_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_pt
     gl.warp_specialize([
         (_consumer, (x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr,
                      off_n, off_m, M, N, K, t_lo, n_tiles, tile, k_slice, split, p_tile, stride_sn, stride_om,
-                     gl.constexpr(0), GROUP, HAS_ZEROS, BLOCK_M, XSTAGES, QSTAGES, PAIR, OVERLAP)),
+                     gl.constexpr(0), GROUP, HAS_ZEROS, BLOCK_M, XSTAGES, QSTAGES, PAIR, OVERLAP, SUB)),
         (_consumer, (x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr,
                      off_n, off_m, M, N, K, t_lo, n_tiles, tile, k_slice, split, p_tile, stride_sn, stride_om,
-                     gl.constexpr(1), GROUP, HAS_ZEROS, BLOCK_M, XSTAGES, QSTAGES, PAIR, OVERLAP)),
+                     gl.constexpr(1), GROUP, HAS_ZEROS, BLOCK_M, XSTAGES, QSTAGES, PAIR, OVERLAP, SUB)),
         (_load_part, (x_desc, w_desc, x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, off_m, off_n, t_lo, n_tiles,
-                      XSTAGES, QSTAGES)),
+                      XSTAGES, QSTAGES, SUB)),
     ], [4, 1], [MMA_REGS, 24])
     for i in gl.static_range(XSTAGES):
         mbarrier.invalidate(x_ready.index(i))

@@ -155,17 +155,25 @@ def _fragment_kernels():
 
 def run_fragment(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, *, group: int,
                  n: int, k: int, block_m: int, stages: int, q_stages: int, split_k: int = 1, whole: int = 0,
-                 pair: bool = False, overlap: bool = False,
+                 pair: bool = False, overlap: bool = False, sub: int = 1, mma_regs: int = 232,
                  workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The INT4 kernel that dequantizes into the ``wgmma``'s register operand ([Note: fragment wdot] in
     ``_fragment_kernels``): 128 weight rows a program in two MMA warp groups, one loader warp; other arguments as
     :func:`run_pipelined`. With ``split_k > 1`` the tiles after the first ``whole`` (numbered weight-row block first)
     each run in ``split_k`` slices of ``K`` ([Note: tail split]), their partials ``(tiles - whole) x split_k x 128 x
     block_m`` floats in ``workspace``, two counters a tile. ``pair``: two tiles a ``wgmma`` round ([Note: paired
-    tiles]); ``overlap``: each ``wgmma`` in flight while the next tile is dequantized ([Note: overlapped fragments]).
+    tiles]); ``overlap``: each ``wgmma`` in flight while the next tile is dequantized ([Note: overlapped fragments]);
+    ``sub``: tiles a ring slot (2: [Note: slots of two tiles]; ``stages`` and ``q_stages`` then count slots).
     """
     if pair and overlap:
         raise ValueError("run_fragment: pair and overlap are two schedules of the same loop; pick one")
+    if sub not in (1, 2) or (sub == 2 and (pair or not overlap or k % (TILE_K * sub))):
+        raise ValueError(f"run_fragment: sub={sub} is invalid: slots of two tiles ([Note: slots of two tiles]) run "
+                         f"only with overlap=True, pair=False and K a multiple of {TILE_K * 2} (got K={k}); else use "
+                         "sub=1")
+    if stages > q_stages:
+        raise ValueError(f"run_fragment: stages={stages} x buffers exceed q_stages={q_stages} word buffers: the loader "
+                         "keeps the words ahead of x, so it would never issue the last ones; use stages <= q_stages")
     tiles = cdiv(n, 128) * cdiv(x.shape[0], block_m)
     if split_k < 1 or not 0 <= whole <= tiles:
         raise ValueError(f"run_fragment: split_k must be >= 1 (got {split_k}) and whole within 0..{tiles} tiles "
@@ -185,6 +193,6 @@ def run_fragment(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch
     _fragment_kernels().w4_fragment_kernel[(whole + (tiles - whole) * split_k, )](
         x_desc, w_desc, s, z if z is not None else s, out, parts, counters, m, n, k, whole, split_k, s.stride(0),
         out.stride(0), GROUP=group, HAS_ZEROS=z is not None, BLOCK_M=block_m, XSTAGES=stages, QSTAGES=q_stages,
-        MMA_REGS=232, PAIR=pair, num_warps=4, **({"OVERLAP": True} if overlap else {}))  # (an older kernel
-    # has no OVERLAP: benchmarks/fragment_ab.py)
+        MMA_REGS=mma_regs, PAIR=pair, num_warps=4, **({"OVERLAP": True} if overlap else {}),
+        **({"SUB": sub} if sub > 1 else {}))  # (an older kernel has neither: benchmarks/fragment_ab.py)
     return out

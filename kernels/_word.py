@@ -101,9 +101,9 @@ class WordConfig:
     # ([Note: packed INT4 dequantization] in _wmma_kernels)
     fixup: bool = False  # full_depth with split_k > 1: partials summed by each tile's last program, not fp32
     # atomics into a zeroed buffer ([Note: split-K fix-up])
-    pipelined: bool = False  # wdot, INT4 / INT8 in bf16 / fp16 on sm_90: the Gluon kernel that overlaps dequantization and MMA
-    # ([Note: pipelined wdot] in _pipelined_kernels); block_m x rows, block_n weight rows, stages buffers of x
-    # tiles, prefetch buffers of word tiles
+    pipelined: bool = False  # wdot, INT4 / INT8 in bf16 / fp16 on sm_90: the Gluon kernel that overlaps
+    # dequantization and MMA ([Note: pipelined wdot] in _pipelined_kernels); block_m x rows, block_n weight rows,
+    # stages buffers of x tiles, prefetch buffers of word tiles
     specialized: int = 0  # pipelined INT4: > 0 picks the warp-specialized kernel with that many dequantizing warps
     # ([Note: warp-specialized wdot] in _specialized_kernels); block_w is then its number of dequantized buffers
     fragment: bool = False  # pipelined INT4: the kernel that dequantizes into the wgmma's register operand ([Note:
@@ -113,6 +113,8 @@ class WordConfig:
     pair: bool = False  # fragment: two tiles' wgmma a round, one retire ([Note: paired tiles] in _fragment_kernels)
     overlap: bool = False  # fragment: each wgmma in flight while the next tile is dequantized ([Note: overlapped
     # fragments] in _fragment_kernels)
+    sub: int = 1  # fragment, overlapped: word tiles a ring slot; stages and prefetch then count slots ([Note: slots
+    # of two tiles] in _fragment_kernels)
     sparse_mma: bool = False  # gemv, 2:4 (plain or + INT4) with bf16 x on sm_80+: the Gluon kernels on sparse tensor
     # cores ([Note: 2:4 GEMV on sparse tensor cores] in _sparse_mma_kernels); block_w / 8 32-column tiles per slice of
     # K, split_k slices, row_blocks blocks of 16 x warps weight rows per program, prefetch blocks loaded ahead (0:
@@ -339,6 +341,15 @@ SPECIALIZED_MIN_M = 256
 # cells at 128-512 rows; six x buffers won one cell of nine (by 1 %), five none
 FRAGMENT_TILES = ((128, 4), (256, 4))
 FRAGMENT_MIN_M = 128
+# below 128 rows one block of x as small as the rows allow (8 to 64: the wgmma's N), eight x and eight word buffers
+# ([Note: fragment wdot at small M] in _fragment_kernels). Kernels run 111: +5 to +18 % over the Triton wdot at 32
+# and 64 rows, -17 to +3 % at 4 and 16, so the tuner times it beside the others from 2 rows
+FRAGMENT_SMALL_STAGES = (8, 8)
+FRAGMENT_SMALL_STAGES_NARROW = (6, 6)  # also timed for blocks of 8 and 16 rows (run 113: +9 % at 28672x8192, 16 rows)
+# and, for those blocks, three x and three word slots of two tiles each ([Note: slots of two tiles]; run 115: +5 and
+# +14 % at 16 rows on 8192x28672 and 28672x8192, -10 % on 8192x8192)
+FRAGMENT_SMALL_SLOTS = (3, 3)
+FRAGMENT_SMALL_MIN_M = 2
 # from here each of its configs also with two tiles a wgmma round ([Note: paired tiles]); kernels run 96: +2 to +5 %
 # in most cells from 512 to 2048 rows, -3 to -12 % in some, so the tuner chooses. Unpaired configs overlap each
 # wgmma with the next tile's dequantization ([Note: overlapped fragments]; run 104: +4 to +12 % with 256-row blocks)
@@ -402,7 +413,7 @@ def full_depth_candidates(fmt: int, m: int, n: int, kw: int, group: int, device:
                     if sp == 1 or _fixup_fits(m, n, sp, bm, bn):
                         out.append(WordConfig(bm, bn, 64 // CPW[fmt], sp, bn // 16, xs, qs, full_depth=True, order=3,
                                               pipelined=True, fixup=sp > 1))
-    if packed in (1, 2) and fmt == FMT_W4 and mb >= FRAGMENT_MIN_M:
+    if packed in (1, 2) and fmt == FMT_W4 and m >= FRAGMENT_SMALL_MIN_M:
         from ._pipelined import specialized_possible
 
         if specialized_possible(device, group=group, k=kw * CPW[fmt]):
@@ -423,16 +434,26 @@ def fragment_candidates(m: int, n: int, kw: int, sms: int) -> list[WordConfig]:
     tiles than SMs leave a short last wave, that wave's tiles split to fill it ([Note: tail split]; 8192x28672 at 512
     rows: 448 tiles, 52 in the last wave, each in two slices)."""
     out = []
-    for bm, xs in FRAGMENT_TILES:
+    blocks = tuple((bm, xs, 8, 1) for bm, xs in FRAGMENT_TILES)  # (rows of x, x buffers, word buffers, tiles a slot)
+    if m_bucket(m) < FRAGMENT_MIN_M:  # one block of x, the wgmma's N as small as the rows allow
+        bm = max(8, m_bucket(m))
+        blocks = ((bm, *FRAGMENT_SMALL_STAGES, 1), )
+        if bm <= 16:
+            blocks += ((bm, *FRAGMENT_SMALL_STAGES_NARROW, 1), )
+            if kw % 16 == 0:  # K a multiple of two 64-column tiles
+                blocks += ((bm, *FRAGMENT_SMALL_SLOTS, 2), )
+    for bm, xs, qs, sub in blocks:
         if bm > max(FRAGMENT_MIN_M, m_bucket(m)):
             continue
         tiles = cdiv(m, bm) * cdiv(n, 128)
         for sp in sorted({1, _under_wave(tiles, sms)}):
             if sp == 1 or _fragment_fits(m, n, bm, sp, 0):
-                out.append(WordConfig(bm, 128, 8, sp, 8, xs, 8, full_depth=True, order=3, pipelined=True,
-                                      fixup=sp > 1, fragment=True, overlap=True))
+                out.append(WordConfig(bm, 128, 8, sp, 8, xs, qs, full_depth=True, order=3, pipelined=True,
+                                      fixup=sp > 1, fragment=True, overlap=True, sub=sub))
+        if sub > 1:
+            continue  # (no tail split: below 128 rows the grid has no short last wave to fill)
         sp = _tail_split(tiles, kw // 8, sms)
-        c = WordConfig(bm, 128, 8, sp, 8, xs, 8, full_depth=True, order=3, pipelined=True, fixup=True, fragment=True,
+        c = WordConfig(bm, 128, 8, sp, 8, xs, qs, full_depth=True, order=3, pipelined=True, fixup=True, fragment=True,
                        tail=True, overlap=True)
         if sp > 1 and _fragment_fits(m, n, bm, sp, fragment_whole(c, m, n, sms)):
             out.append(c)
@@ -783,7 +804,7 @@ def wdot_launcher(x, words, s, z, *, fmt: int, group: int, n: int, k: int):
                 fits = ws is not None and _fragment_fits(m, n, c.block_m, c.split_k, whole)
                 return run_fragment(x, words, s, z, group=group, n=n, k=k, block_m=c.block_m, stages=c.stages,
                                     q_stages=c.prefetch, split_k=c.split_k if fits else 1, whole=whole,
-                                    pair=c.pair, overlap=c.overlap, workspace=ws if fits else None)
+                                    pair=c.pair, overlap=c.overlap, sub=c.sub, workspace=ws if fits else None)
             if c.specialized:
                 return run_specialized(x, words, s, z, group=group, n=n, k=k, block_m=c.block_m, block_n=c.block_n,
                                        stages=c.stages, q_stages=c.prefetch, w_stages=c.block_w,

@@ -20,16 +20,27 @@ from zspeed.kernels._gemm import FMT_W4, FMT_W8
 from zspeed.kernels._runtime import m_bucket
 
 
-def test_offered_for_packed_int4_from_the_128_row_bucket(monkeypatch):
+def test_offered_for_packed_int4_from_two_rows(monkeypatch):
     monkeypatch.setattr(_word, "interpreting", lambda: False)
     monkeypatch.setattr(_word, "_sm_count", lambda index: 132)
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(_pipelined, "pipelined_possible", lambda device, *, group, k: True)
     monkeypatch.setattr(_pipelined, "specialized_possible", lambda device, *, group, k: True)
-    for m in (1, 64, 65, 128, 256, 700):
+    for m in (1, 2, 5, 16, 33, 64, 65, 128, 256, 700):
         got = [c for c in _word.full_depth_candidates(FMT_W4, m, 8192, 1024, 128, gpu, packed=1) if c.fragment]
-        if m_bucket(m) < 128:
-            assert m <= 64 and not got
+        if m == 1:  # one row is the GEMV's
+            assert not got
+            continue
+        if m_bucket(m) < 128:  # one block of x as small as the rows allow, eight x and word buffers
+            bm = max(8, m_bucket(m))
+            assert {c.block_m for c in got} == {bm} and not any(c.pair for c in got)
+            stages = {(*_word.FRAGMENT_SMALL_STAGES, 1)}
+            if bm <= 16:  # also fewer buffers, and slots of two tiles ([Note: slots of two tiles])
+                stages |= {(*_word.FRAGMENT_SMALL_STAGES_NARROW, 1), (*_word.FRAGMENT_SMALL_SLOTS, 2)}
+            assert {(c.stages, c.prefetch, c.sub) for c in got} == stages
+            assert all(c.overlap for c in got)
+            # 64 tiles of 128 weight rows fill half the SMs: also split in two
+            assert sorted(c.split_k for c in got) == sorted([1, 2] * len(stages))
             continue
         assert {c.block_m for c in got} == ({128} if m_bucket(m) == 128 else {128, 256})
         assert all(c.pipelined and c.block_n == 128 and c.warps == 8 and c.block_w == 8 and c.prefetch == 8
@@ -53,7 +64,9 @@ def test_a_fragment_config_launches_the_fragment_kernel(monkeypatch):
     c = _word.WordConfig(256, 128, 8, 1, 8, 5, 7, full_depth=True, order=3, pipelined=True, fragment=True)
     seen = launched_with(monkeypatch, c, "run_fragment")
     assert seen == dict(group=128, n=64, k=256, block_m=256, stages=5, q_stages=7, split_k=1, whole=0,
-                        pair=False, overlap=False, workspace=None)
+                        pair=False, overlap=False, sub=1, workspace=None)
+    seen = launched_with(monkeypatch, _word.replace(c, overlap=True, sub=2), "run_fragment")
+    assert (seen["overlap"], seen["sub"]) == (True, 2)
     seen = launched_with(monkeypatch, _word.replace(c, pair=True), "run_fragment")
     assert (seen["pair"], seen["overlap"]) == (True, False)
     seen = launched_with(monkeypatch, _word.replace(c, overlap=True), "run_fragment")
@@ -156,8 +169,8 @@ args = dict(x_desc=TensorDescriptor(x, [m, k], [k, 1], [bm, 64], gl.NVMMASharedL
             count_ptr=torch.empty(1, dtype=torch.int32), M=m, N=n, K=k, WHOLE=100, SPLIT_K=2, stride_sn=64,
             stride_om=n)
 sig = {name: mangle_type(v) for name, v in args.items()}
-const = dict(GROUP=128, HAS_ZEROS=True, BLOCK_M=bm, XSTAGES=4, QSTAGES=8, MMA_REGS=232, num_warps=4,
-             PAIR=opts["PAIR"], OVERLAP=opts.get("OVERLAP", False))
+const = dict(GROUP=128, HAS_ZEROS=True, BLOCK_M=bm, XSTAGES=opts.get("XS", 4), QSTAGES=opts.get("QS", 8),
+             MMA_REGS=232, num_warps=4, PAIR=opts["PAIR"], OVERLAP=opts.get("OVERLAP", False), SUB=opts.get("SUB", 1))
 sig.update({name: "constexpr" for name in const})
 kernel = triton.compile(GluonASTSource(P.w4_fragment_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": 4})
@@ -170,7 +183,7 @@ print(json.dumps({"code": [[int(a, 16), op, rest.strip()] for a, op, rest in cod
 '''
 
 
-@pytest.mark.parametrize("bm,half", [(256, False), (128, False), (256, True)])
+@pytest.mark.parametrize("bm,half", [(256, False), (128, False), (256, True), (8, False)])
 def test_compiles_for_hopper_with_the_weights_in_registers(tmp_path, bm, half):
     if not _pipelined._gluon_ok():
         pytest.skip("this triton has no Gluon for Hopper")
@@ -278,3 +291,50 @@ def test_overlapped_fragments_leave_the_in_flight_registers_alone(tmp_path, bm):
         if m and not op.startswith(("ST", "SYNCS", "BAR", "RED", "ATOM", "BRA")):
             assert int(m.group(1)) not in issued, f"{op}{rest} writes an in-flight HGMMA's A register"
     assert len(issued) == 16
+
+
+def test_slots_of_two_tiles_halve_the_ring_traffic_and_keep_the_registers_apart(tmp_path):
+    """[Note: slots of two tiles]: the loop holds two tiles (eight ``HGMMA``, two retires) with one wait for each
+    ring (words, ``x``) and one arrive for each, no spills, and no write to an in-flight ``HGMMA``'s A registers
+    before its retire; it is shorter than two rounds of the one-tile loop."""
+    if not _pipelined._gluon_ok():
+        pytest.skip("this triton has no Gluon for Hopper")
+    loops = {}
+    for sub in (1, 2):
+        opts = dict(BM=16, HALF=False, PAIR=False, OVERLAP=True, SUB=sub, XS=3 if sub == 2 else 8,
+                    QS=3 if sub == 2 else 8)
+        got = run_compile_script(_COMPILE, [json.dumps(opts), str(tmp_path / f"s{sub}.cubin")], tmp_path)
+        code = got["code"]
+        assert not [op for _, op, _ in code if op.startswith(("STL", "LDL"))]
+        loops[sub] = _loop_with_mmas(code, 4 * sub)
+    loop = loops[2]
+    ops = [op for _, op, _ in loop]
+    assert sum(op.startswith("WARPGROUP.DEPBAR") for op in ops) == 2
+    assert sum(op.startswith("SYNCS.PHASECHK") for op in ops) == 2  # one wait a ring
+    assert sum(op.startswith("SYNCS.ARRIVE") for op in ops) == 2  # one release a ring
+    assert [op for op in ops if op.startswith("LDS")] == ["LDS.128"] * 8
+    assert len(loop) < 2 * len(loops[1])
+    issued: set[int] = set()
+    for _, op, rest in loop:
+        if op.startswith("HGMMA"):
+            base = int(re.search(r"\sR\d+, R(\d+), gdesc", rest).group(1))
+            issued |= {base, base + 1, base + 2, base + 3}
+        elif op.startswith("WARPGROUP.DEPBAR"):
+            issued = set()
+        else:
+            m = re.match(r"\s*R(\d+)\b", rest)
+            if m and not op.startswith(("ST", "SYNCS", "BAR", "RED", "ATOM", "BRA")):
+                assert int(m.group(1)) not in issued, f"{op}{rest} writes an in-flight HGMMA's A register"
+
+
+def _loop_with_mmas(code: list, mmas: int) -> list:
+    """The shortest loop (a backward branch and its target) that holds ``mmas`` ``HGMMA``."""
+    loops = []
+    for addr, op, rest in code:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            body = [(a, o, r) for a, o, r in code if int(target.group(1), 16) <= a <= addr]
+            if sum(o.startswith("HGMMA") for _, o, _ in body) == mmas:
+                loops.append(body)
+    assert loops, f"no loop with {mmas} HGMMA"
+    return min(loops, key=len)
