@@ -451,7 +451,7 @@ def fragment_candidates(m: int, n: int, kw: int, sms: int) -> list[WordConfig]:
                 out.append(WordConfig(bm, 128, 8, sp, 8, xs, qs, full_depth=True, order=3, pipelined=True,
                                       fixup=sp > 1, fragment=True, overlap=True, sub=sub))
         if sub > 1:
-            continue  # (no tail split: below 128 rows the grid has no short last wave to fill)
+            continue  # (slots of two tiles are not offered with the tail split: not measured together)
         sp = _tail_split(tiles, kw // 8, sms)
         c = WordConfig(bm, 128, 8, sp, 8, xs, qs, full_depth=True, order=3, pipelined=True, fixup=True, fragment=True,
                        tail=True, overlap=True)

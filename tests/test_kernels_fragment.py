@@ -123,6 +123,19 @@ def test_pair_and_overlap_together_are_refused():
                                 overlap=True)
 
 
+def test_slots_of_two_tiles_and_buffer_counts_that_would_hang_are_refused():
+    x = torch.zeros(4, 192, dtype=torch.bfloat16)
+    w, s = torch.zeros(64, 24, dtype=torch.int32), torch.zeros(64, 2, dtype=torch.bfloat16)
+    args = dict(group=64, n=64, k=192, block_m=16)
+    # the loader keeps the words q_stages - stages slots ahead of x: fewer word than x buffers never issue the last
+    with pytest.raises(ValueError, match="stages=4 x buffers exceed q_stages=3 word buffers"):
+        _pipelined.run_fragment(x, w, s, None, stages=4, q_stages=3, overlap=True, **args)
+    for bad in (dict(sub=3, overlap=True), dict(sub=2), dict(sub=2, pair=True),  # slots of two: overlapped only
+                dict(sub=2, overlap=True)):  # K = 192 is three 64-column tiles, no whole slots of two
+        with pytest.raises(ValueError, match="slots of two tiles"):
+            _pipelined.run_fragment(x, w, s, None, stages=3, q_stages=3, **bad, **args)
+
+
 def test_bad_splits_and_a_small_workspace_are_refused_before_launch():
     x = torch.zeros(512, 128, dtype=torch.bfloat16)
     w, s = torch.zeros(1024, 16, dtype=torch.int32), torch.zeros(1024, 1, dtype=torch.bfloat16)
