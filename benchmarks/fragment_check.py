@@ -8,7 +8,8 @@ Odd row and column counts, split-K (2 and 3 slices: odd tile counts), symmetric 
 tiles ([Note: paired tiles]); every output on NaN-filled memory.
 Then the tail split ([Note: tail split]): each tile it runs whole must equal the unsplit kernel's output and each
 tile it splits the uniformly split kernel's, bit for bit. Then small blocks of ``x`` (8 to 64 rows), overlapped and
-not, and in ring slots of two tiles ([Note: slots of two tiles]), bit for bit, all near the fp32 reference. Prints
+not, in ring slots of two tiles ([Note: slots of two tiles]) and with four MMA warp groups ([Note: four warp
+groups at small M]), bit for bit, all near the fp32 reference. Prints
 one JSON line per case and ``ALL EXACT`` or the cases that differ.
 """
 from __future__ import annotations
@@ -116,13 +117,16 @@ def main() -> None:
         # [Note: slots of two tiles]: the same tiles in the same order; K is sliced in whole slots, so where that
         # moves a slice's bounds (128 tiles in three slices: 43, 43, 42 tiles or 44, 44, 40) the partials differ
         slots = run_fragment(x, words, q.scales, q.zeros, overlap=True, sub=2, **{**args, "stages": 3, "q_stages": 3})
+        # [Note: four warp groups at small M]: other programs, the same sums for every row
+        four = run_fragment(x, words, q.scales, q.zeros, overlap=True, warp_groups=4, **args)
         same_slices = -(-(k // 64) // sp) == 2 * -(-(k // 128) // sp)
         ref = x.float() @ q.dequantize(torch.float32).to(dt).float().t()
         err = max(((o.float() - ref).norm() / ref.norm()).item() for o in (overlapped, slots))
         row = dict(k=k, n=n, m=m, block_m=bm, split_k=sp, symmetric=sym, dtype=str(dt), same_slices=same_slices,
-                   ndiff=int((plain != overlapped).sum()) + (int((slots != overlapped).sum()) if same_slices else 0),
+                   ndiff=int((plain != overlapped).sum()) + int((four != overlapped).sum())
+                   + (int((slots != overlapped).sum()) if same_slices else 0),
                    slots_ndiff=int((slots != overlapped).sum()),
-                   nan=bool(overlapped.isnan().any() or slots.isnan().any()), rel_err=err)
+                   nan=bool(overlapped.isnan().any() or slots.isnan().any() or four.isnan().any()), rel_err=err)
         print(json.dumps(row), flush=True)
         if row["ndiff"] or row["nan"] or not err < 1e-2:
             bad.append(row)

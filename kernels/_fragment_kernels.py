@@ -67,11 +67,21 @@ group's own ``wgmma`` as well as the other warp group's (kernels run 104: +4 to 
 
 [Note: fragment wdot at small M] Below 128 rows the kernel runs with one block of ``x`` as small as the rows allow
 (``BLOCK_M`` 8 to 64, the ``wgmma``'s N), so that a program streams its 128 weight rows once through the TMA rings
-like a GEMV on tensor cores; eight (or six) ``x`` and word buffers, as the tuner finds (kernels run 111: more
-buffers were slower). The MMA is nearly free there and the loop is bound by instruction issue: ~170 instructions a
-warp a tile, ~100 of them the dequantization, for 4 KB of words (Nsight Compute, run 110: 0.56 instructions a cycle
-a scheduler, the rest waiting on the rings). Over the Triton ``wdot`` it wins at 32 and 64 rows (+5 to +18 %) and
+like a GEMV on tensor cores; eight ``x`` and word buffers (kernels run 111: more buffers were slower). The MMA is
+nearly free there and the loop is bound by instruction issue: ~170 instructions a warp a tile, ~100 of them the
+dequantization, for 4 KB of words (Nsight Compute, run 110: 0.56 instructions a cycle a scheduler, the rest waiting
+on the rings). Over the Triton ``wdot`` it wins at 32 and 64 rows (+5 to +18 %) and
 is within a few percent either way at 4 and 16, so the tuner times both from 2 rows (``_word.FRAGMENT_SMALL_MIN_M``).
+
+[Note: four warp groups at small M] With ``NWG = 4`` a program has four MMA warp groups (256 weight rows) and the
+loader warp: 17 warps, four consumer warps a scheduler where two left the issue slots idle half the time (kernels run
+110). The register file then allows 104 registers a consumer thread (``setmaxnreg``), enough where the accumulator is
+small (at most 64 rows of ``x``: 32 registers) and no spill (sm_90 SASS, ``tests/test_kernels_fragment.py``); with
+large blocks it spilled (kernels run 99). Each warp group's rows, sums and partials are those of ``NWG = 2``; only the
+program that computes them changes, and the counters are ``NWG`` a tile. Kernels run 118, over bf16, two / four warp
+groups (best split each): at 16 rows 1.96 / **2.27** on 8192x28672, 1.87 / 1.90 on 8192x8192, 2.13 / 2.10 on
+28672x8192; at 64 rows 1.65 / **1.99**, 1.71 / 1.69, 1.76 / **1.92**. The tuner offers both below 128 rows, four only
+where the weight rows make whole blocks of 256 (the only shapes checked on the GPU so far).
 
 [Note: slots of two tiles] Every mbarrier wait and arrive of a warp group costs a warp-group ``bar.sync`` besides
 the one before the arrives (Triton 3.6 puts one before each, sm_90 PTX): four a tile, plus the try-wait loops and
@@ -217,7 +227,8 @@ def _fragments_in(q_smem, q_ready, slot, phase, buf, j, t, s_cur, z_cur, s_nxt, 
 def _consumer(x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, off_n,
               off_m, M, N, K, t_lo, n_tiles, tile, k_slice, split, p_tile, stride_sn, stride_om, WG: gl.constexpr,
               GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_M: gl.constexpr, XSTAGES: gl.constexpr,
-              QSTAGES: gl.constexpr, PAIR: gl.constexpr, OVERLAP: gl.constexpr, SUB: gl.constexpr):
+              QSTAGES: gl.constexpr, PAIR: gl.constexpr, OVERLAP: gl.constexpr, SUB: gl.constexpr,
+              NWG: gl.constexpr):
     """One MMA warp group (its own partition): weight rows ``off_n + 64 WG ..``, each tile's words -> A fragments in
     registers -> ``wgmma``, retired before the next tile's fragments take the registers (with ``PAIR``, two tiles'
     fragments, then both ``wgmma``, then one retire); then its rows of the output."""
@@ -346,21 +357,22 @@ def _consumer(x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, 
         mbarrier.arrive(q_empty.index(j % QSTAGES))
         mbarrier.arrive(x_empty.index(xs))
     p_slice = 64 * BLOCK_M  # a compact partial block per warp group, slice and split tile ([Note: tail split])
-    _store_acc(acc, out_ptr, part_ptr, count_ptr, row0, off_m, M, N, split, stride_om, tile * 2 + WG, k_slice,
-               (p_tile * 2 + WG) * split * p_slice, p_slice, 64, 64, BLOCK_M, 4)
+    _store_acc(acc, out_ptr, part_ptr, count_ptr, row0, off_m, M, N, split, stride_om, tile * NWG + WG, k_slice,
+               (p_tile * NWG + WG) * split * p_slice, p_slice, 64, 64, BLOCK_M, 4)
 
 
 @gluon.jit
 def w4_fragment_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M, N, K, WHOLE, SPLIT_K,
                        stride_sn, stride_om, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, BLOCK_M: gl.constexpr,
                        XSTAGES: gl.constexpr, QSTAGES: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
-                       PAIR: gl.constexpr = False, OVERLAP: gl.constexpr = False, SUB: gl.constexpr = 1):
+                       PAIR: gl.constexpr = False, OVERLAP: gl.constexpr = False, SUB: gl.constexpr = 1,
+                       NWG: gl.constexpr = 2):
     """``out[M, N] = x @ dequant(W)^T`` for INT4 words, ``x`` and scales in bf16 or fp16 ([Note: fragment wdot]).
-    Tiles of 128 weight rows x ``BLOCK_M`` rows of ``x``, numbered weight-row block first; the first ``WHOLE`` run
-    whole, each of the others in ``SPLIT_K`` slices of ``K`` ([Note: tail split]): a 1-D grid of ``WHOLE + (tiles -
-    WHOLE) SPLIT_K`` programs. ``K`` a multiple of 64, ``GROUP`` of 64. ``num_warps`` is 4, the first MMA warp group
-    (weight rows 0-63 of the program's 128); the second and the loader warp come on top. A split tile's warp groups
-    each sum their own rows' partials, on their own counters (``2 tile + WG``)."""
+    Tiles of ``64 NWG`` (128 or 256) weight rows x ``BLOCK_M`` rows of ``x``, numbered weight-row block first; the
+    first ``WHOLE`` run whole, each of the others in ``SPLIT_K`` slices of ``K`` ([Note: tail split]): a 1-D grid of
+    ``WHOLE + (tiles - WHOLE) SPLIT_K`` programs. ``K`` a multiple of 64, ``GROUP`` of 64. ``num_warps`` is 4, the
+    first MMA warp group (weight rows 0-63 of the program's); the others and the loader warp come on top. A split
+    tile's warp groups each sum their own rows' partials, on their own counters (``NWG tile + WG``)."""
     pid = gl.program_id(0)
     tail = (pid >= WHOLE).to(gl.int32)
     r = gl.maximum(pid - WHOLE, 0)
@@ -368,36 +380,61 @@ def w4_fragment_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_pt
     tile = pid + tail * (WHOLE + p_tile - pid)
     k_slice = r % SPLIT_K
     split = 1 + tail * (SPLIT_K - 1)
-    row_blocks = gl.cdiv(N, 128)
-    off_n = (tile % row_blocks) * 128
+    BN: gl.constexpr = 64 * NWG  # weight rows a program: 64 an MMA warp group ([Note: four warp groups at small M])
+    row_blocks = gl.cdiv(N, BN)
+    off_n = (tile % row_blocks) * BN
     off_m = (tile // row_blocks) * BLOCK_M
     t_lo, n_tiles = _split_tiles(K // SUB, split, k_slice)  # in slots of SUB tiles ([Note: slots of two tiles])
     t_lo = t_lo * SUB
     n_tiles = n_tiles * SUB
 
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [XSTAGES * SUB, BLOCK_M, BK], x_desc.layout)
-    q_smem = gl.allocate_shared_memory(gl.int32, [QSTAGES * SUB, 128, BW], w_desc.layout)
+    q_smem = gl.allocate_shared_memory(gl.int32, [QSTAGES * SUB, BN, BW], w_desc.layout)
     x_ready = gl.allocate_shared_memory(gl.int64, [XSTAGES, 1], mbarrier.MBarrierLayout())
     x_empty = gl.allocate_shared_memory(gl.int64, [XSTAGES, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [QSTAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [QSTAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(XSTAGES):
         mbarrier.init(x_ready.index(i), count=1)
-        mbarrier.init(x_empty.index(i), count=2)  # one arrive per MMA warp group
+        mbarrier.init(x_empty.index(i), count=NWG)  # one arrive per MMA warp group
     for i in gl.static_range(QSTAGES):
         mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)
+        mbarrier.init(q_empty.index(i), count=NWG)
 
-    gl.warp_specialize([
-        (_consumer, (x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr,
-                     off_n, off_m, M, N, K, t_lo, n_tiles, tile, k_slice, split, p_tile, stride_sn, stride_om,
-                     gl.constexpr(0), GROUP, HAS_ZEROS, BLOCK_M, XSTAGES, QSTAGES, PAIR, OVERLAP, SUB)),
-        (_consumer, (x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr,
-                     off_n, off_m, M, N, K, t_lo, n_tiles, tile, k_slice, split, p_tile, stride_sn, stride_om,
-                     gl.constexpr(1), GROUP, HAS_ZEROS, BLOCK_M, XSTAGES, QSTAGES, PAIR, OVERLAP, SUB)),
-        (_load_part, (x_desc, w_desc, x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, off_m, off_n, t_lo, n_tiles,
-                      XSTAGES, QSTAGES, SUB)),
-    ], [4, 1], [MMA_REGS, 24])
+    if NWG == 4:  # [Note: four warp groups at small M]
+        gl.warp_specialize([
+            (_consumer, (x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, out_ptr, part_ptr,
+                         count_ptr, off_n, off_m, M, N, K, t_lo, n_tiles, tile, k_slice, split, p_tile, stride_sn,
+                         stride_om, gl.constexpr(0), GROUP, HAS_ZEROS, BLOCK_M, XSTAGES, QSTAGES, PAIR, OVERLAP, SUB,
+                         NWG)),
+            (_consumer, (x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, out_ptr, part_ptr,
+                         count_ptr, off_n, off_m, M, N, K, t_lo, n_tiles, tile, k_slice, split, p_tile, stride_sn,
+                         stride_om, gl.constexpr(1), GROUP, HAS_ZEROS, BLOCK_M, XSTAGES, QSTAGES, PAIR, OVERLAP, SUB,
+                         NWG)),
+            (_consumer, (x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, out_ptr, part_ptr,
+                         count_ptr, off_n, off_m, M, N, K, t_lo, n_tiles, tile, k_slice, split, p_tile, stride_sn,
+                         stride_om, gl.constexpr(2), GROUP, HAS_ZEROS, BLOCK_M, XSTAGES, QSTAGES, PAIR, OVERLAP, SUB,
+                         NWG)),
+            (_consumer, (x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, out_ptr, part_ptr,
+                         count_ptr, off_n, off_m, M, N, K, t_lo, n_tiles, tile, k_slice, split, p_tile, stride_sn,
+                         stride_om, gl.constexpr(3), GROUP, HAS_ZEROS, BLOCK_M, XSTAGES, QSTAGES, PAIR, OVERLAP, SUB,
+                         NWG)),
+            (_load_part, (x_desc, w_desc, x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, off_m, off_n, t_lo,
+                          n_tiles, XSTAGES, QSTAGES, SUB)),
+        ], [4, 4, 4, 1], [MMA_REGS, MMA_REGS, MMA_REGS, 24])
+    else:
+        gl.warp_specialize([
+            (_consumer, (x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, out_ptr, part_ptr,
+                         count_ptr, off_n, off_m, M, N, K, t_lo, n_tiles, tile, k_slice, split, p_tile, stride_sn,
+                         stride_om, gl.constexpr(0), GROUP, HAS_ZEROS, BLOCK_M, XSTAGES, QSTAGES, PAIR, OVERLAP, SUB,
+                         NWG)),
+            (_consumer, (x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, out_ptr, part_ptr,
+                         count_ptr, off_n, off_m, M, N, K, t_lo, n_tiles, tile, k_slice, split, p_tile, stride_sn,
+                         stride_om, gl.constexpr(1), GROUP, HAS_ZEROS, BLOCK_M, XSTAGES, QSTAGES, PAIR, OVERLAP, SUB,
+                         NWG)),
+            (_load_part, (x_desc, w_desc, x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, off_m, off_n, t_lo,
+                          n_tiles, XSTAGES, QSTAGES, SUB)),
+        ], [4, 1], [MMA_REGS, 24])
     for i in gl.static_range(XSTAGES):
         mbarrier.invalidate(x_ready.index(i))
         mbarrier.invalidate(x_empty.index(i))

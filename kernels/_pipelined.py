@@ -155,7 +155,8 @@ def _fragment_kernels():
 
 def run_fragment(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, *, group: int,
                  n: int, k: int, block_m: int, stages: int, q_stages: int, split_k: int = 1, whole: int = 0,
-                 pair: bool = False, overlap: bool = False, sub: int = 1, mma_regs: int = 232,
+                 pair: bool = False, overlap: bool = False, sub: int = 1, warp_groups: int = 2,
+                 mma_regs: int | None = None,
                  workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The INT4 kernel that dequantizes into the ``wgmma``'s register operand ([Note: fragment wdot] in
     ``_fragment_kernels``): 128 weight rows a program in two MMA warp groups, one loader warp; other arguments as
@@ -163,8 +164,15 @@ def run_fragment(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch
     each run in ``split_k`` slices of ``K`` ([Note: tail split]), their partials ``(tiles - whole) x split_k x 128 x
     block_m`` floats in ``workspace``, two counters a tile. ``pair``: two tiles a ``wgmma`` round ([Note: paired
     tiles]); ``overlap``: each ``wgmma`` in flight while the next tile is dequantized ([Note: overlapped fragments]);
-    ``sub``: tiles a ring slot (2: [Note: slots of two tiles]; ``stages`` and ``q_stages`` then count slots).
+    ``sub``: tiles a ring slot (2: [Note: slots of two tiles]; ``stages`` and ``q_stages`` then count slots);
+    ``warp_groups``: MMA warp groups, 64 weight rows each (4: [Note: four warp groups at small M]), each with
+    ``mma_regs`` registers a thread (default 232 for two, 104 for four).
     """
+    if warp_groups not in (2, 4) or (warp_groups == 4 and (block_m > 64 or pair)):
+        raise ValueError(f"run_fragment: warp_groups={warp_groups} is invalid: use 2, or 4 with blocks of at most 64 "
+                         f"rows of x (got {block_m}) and no paired tiles ([Note: four warp groups at small M])")
+    block_n = 64 * warp_groups
+    mma_regs = mma_regs or (232 if warp_groups == 2 else 104)
     if pair and overlap:
         raise ValueError("run_fragment: pair and overlap are two schedules of the same loop; pick one")
     if sub not in (1, 2) or (sub == 2 and (pair or not overlap or k % (TILE_K * sub))):
@@ -174,19 +182,20 @@ def run_fragment(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch
     if stages > q_stages:
         raise ValueError(f"run_fragment: stages={stages} x buffers exceed q_stages={q_stages} word buffers: the loader "
                          "keeps the words ahead of x, so it would never issue the last ones; use stages <= q_stages")
-    tiles = cdiv(n, 128) * cdiv(x.shape[0], block_m)
+    tiles = cdiv(n, block_n) * cdiv(x.shape[0], block_m)
     if split_k < 1 or not 0 <= whole <= tiles:
         raise ValueError(f"run_fragment: split_k must be >= 1 (got {split_k}) and whole within 0..{tiles} tiles "
                          f"(got {whole})")
     if split_k > 1 and workspace is None:
         raise ValueError("run_fragment: split_k > 1 needs the fix-up workspace (partials, counters)")
-    if split_k > 1 and ((tiles - whole) * split_k * 128 * block_m > workspace[0].numel()
-                        or 2 * tiles > workspace[1].numel()):
+    if split_k > 1 and ((tiles - whole) * split_k * block_n * block_m > workspace[0].numel()
+                        or warp_groups * tiles > workspace[1].numel()):
         raise ValueError(f"run_fragment: {tiles - whole} split tiles x {split_k} slices need "
-                         f"{(tiles - whole) * split_k * 128 * block_m} partial sums and {2 * tiles} counters; the "
+                         f"{(tiles - whole) * split_k * block_n * block_m} partial sums and {warp_groups * tiles} "
+                         f"counters; the "
                          f"workspace has {workspace[0].numel()} and {workspace[1].numel()}: split fewer tiles")
     m = x.shape[0]
-    x_desc, w_desc, out, _ = _operands(x, words, n=n, k=k, block_m=block_m, block_n=128, wpt=TILE_K // 8)
+    x_desc, w_desc, out, _ = _operands(x, words, n=n, k=k, block_m=block_m, block_n=block_n, wpt=TILE_K // 8)
     parts, counters = workspace if split_k > 1 else (out, words)
     if split_k == 1:  # every tile whole; SPLIT_K is then unused, and a 1 (which Triton would make a constant)
         whole, split_k = tiles, 2  # fails to compile in Triton 3.6's Gluon
@@ -194,5 +203,6 @@ def run_fragment(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch
         x_desc, w_desc, s, z if z is not None else s, out, parts, counters, m, n, k, whole, split_k, s.stride(0),
         out.stride(0), GROUP=group, HAS_ZEROS=z is not None, BLOCK_M=block_m, XSTAGES=stages, QSTAGES=q_stages,
         MMA_REGS=mma_regs, PAIR=pair, num_warps=4, **({"OVERLAP": True} if overlap else {}),
-        **({"SUB": sub} if sub > 1 else {}))  # (an older kernel has neither: benchmarks/fragment_ab.py)
+        **({"SUB": sub} if sub > 1 else {}), **({"NWG": warp_groups} if warp_groups != 2 else {}))  # (an older
+    # kernel has none of these: benchmarks/fragment_ab.py)
     return out

@@ -345,10 +345,12 @@ FRAGMENT_MIN_M = 128
 # ([Note: fragment wdot at small M] in _fragment_kernels). Kernels run 111: +5 to +18 % over the Triton wdot at 32
 # and 64 rows, -17 to +3 % at 4 and 16, so the tuner times it beside the others from 2 rows
 FRAGMENT_SMALL_STAGES = (8, 8)
-FRAGMENT_SMALL_STAGES_NARROW = (6, 6)  # also timed for blocks of 8 and 16 rows (run 113: +9 % at 28672x8192, 16 rows)
-# and, for those blocks, three x and three word slots of two tiles each ([Note: slots of two tiles]; run 115: +5 and
-# +14 % at 16 rows on 8192x28672 and 28672x8192, -10 % on 8192x8192)
+# for blocks of 8 and 16 rows also three x and three word slots of two tiles each ([Note: slots of two tiles]; run
+# 115: +5 and +14 % at 16 rows on 8192x28672 and 28672x8192, -10 % on 8192x8192)
 FRAGMENT_SMALL_SLOTS = (3, 3)
+# each of those with two and with four MMA warp groups ([Note: four warp groups at small M]; run 118: +16 and +21 %
+# at 16 and 64 rows on 8192x28672, within 2 % either way on 8192x8192)
+FRAGMENT_SMALL_WARP_GROUPS = (2, 4)
 FRAGMENT_SMALL_MIN_M = 2
 # from here each of its configs also with two tiles a wgmma round ([Note: paired tiles]); kernels run 96: +2 to +5 %
 # in most cells from 512 to 2048 rows, -3 to -12 % in some, so the tuner chooses. Unpaired configs overlap each
@@ -434,24 +436,27 @@ def fragment_candidates(m: int, n: int, kw: int, sms: int) -> list[WordConfig]:
     tiles than SMs leave a short last wave, that wave's tiles split to fill it ([Note: tail split]; 8192x28672 at 512
     rows: 448 tiles, 52 in the last wave, each in two slices)."""
     out = []
-    blocks = tuple((bm, xs, 8, 1) for bm, xs in FRAGMENT_TILES)  # (rows of x, x buffers, word buffers, tiles a slot)
+    # (rows of x, weight rows a program (64 an MMA warp group), x buffers, word buffers, tiles a slot)
+    blocks = tuple((bm, 128, xs, 8, 1) for bm, xs in FRAGMENT_TILES)
     if m_bucket(m) < FRAGMENT_MIN_M:  # one block of x, the wgmma's N as small as the rows allow
         bm = max(8, m_bucket(m))
-        blocks = ((bm, *FRAGMENT_SMALL_STAGES, 1), )
-        if bm <= 16:
-            blocks += ((bm, *FRAGMENT_SMALL_STAGES_NARROW, 1), )
-            if kw % 16 == 0:  # K a multiple of two 64-column tiles
-                blocks += ((bm, *FRAGMENT_SMALL_SLOTS, 2), )
-    for bm, xs, qs, sub in blocks:
+        blocks = ()
+        for wg in FRAGMENT_SMALL_WARP_GROUPS:
+            if wg > 2 and n % (64 * wg):
+                continue  # four warp groups: checked on the GPU with whole blocks of weight rows only (run 118)
+            blocks += ((bm, 64 * wg, *FRAGMENT_SMALL_STAGES, 1), )
+            if bm <= 16 and kw % 16 == 0:  # K a multiple of two 64-column tiles
+                blocks += ((bm, 64 * wg, *FRAGMENT_SMALL_SLOTS, 2), )
+    for bm, bn, xs, qs, sub in blocks:
         if bm > max(FRAGMENT_MIN_M, m_bucket(m)):
             continue
-        tiles = cdiv(m, bm) * cdiv(n, 128)
+        tiles = cdiv(m, bm) * cdiv(n, bn)
         for sp in sorted({1, _under_wave(tiles, sms)}):
-            if sp == 1 or _fragment_fits(m, n, bm, sp, 0):
-                out.append(WordConfig(bm, 128, 8, sp, 8, xs, qs, full_depth=True, order=3, pipelined=True,
+            if sp == 1 or _fragment_fits(m, n, bm, sp, 0, bn):
+                out.append(WordConfig(bm, bn, 8, sp, bn // 16, xs, qs, full_depth=True, order=3, pipelined=True,
                                       fixup=sp > 1, fragment=True, overlap=True, sub=sub))
-        if sub > 1:
-            continue  # (slots of two tiles are not offered with the tail split: not measured together)
+        if sub > 1 or bn != 128:
+            continue  # (the tail split is offered with one-tile slots and two warp groups: not measured otherwise)
         sp = _tail_split(tiles, kw // 8, sms)
         c = WordConfig(bm, 128, 8, sp, 8, xs, qs, full_depth=True, order=3, pipelined=True, fixup=True, fragment=True,
                        tail=True, overlap=True)
@@ -467,7 +472,7 @@ def fragment_whole(c: WordConfig, m: int, n: int, sms: int) -> int:
     (all where they make whole waves), none otherwise (``split_k`` then slices every tile)."""
     if not c.tail:
         return 0
-    tiles = cdiv(m, c.block_m) * cdiv(n, 128)
+    tiles = cdiv(m, c.block_m) * cdiv(n, c.block_n)
     return tiles - tiles % sms
 
 
@@ -480,11 +485,11 @@ def _tail_split(tiles: int, k_tiles: int, sms: int) -> int:
     return max(1, min(sms // (tiles % sms), 8, k_tiles // 8))
 
 
-def _fragment_fits(m: int, n: int, bm: int, split: int, whole: int) -> bool:
+def _fragment_fits(m: int, n: int, bm: int, split: int, whole: int, bn: int = 128) -> bool:
     """Whether the register-operand kernel's split tiles (those after the first ``whole``) fit the workspace: a
-    compact block of ``split x 128 x bm`` partials and two counters a tile."""
-    tiles = cdiv(m, bm) * cdiv(n, 128)
-    return _workspace_fits((tiles - whole) * split * 128 * bm, 2 * tiles)
+    compact block of ``split x bn x bm`` partials and a counter for each of a tile's ``bn / 64`` warp groups."""
+    tiles = cdiv(m, bm) * cdiv(n, bn)
+    return _workspace_fits((tiles - whole) * split * bn * bm, bn // 64 * tiles)
 
 
 def specialized_candidates(m: int, n: int, kw: int, sms: int) -> list[WordConfig]:
@@ -801,10 +806,11 @@ def wdot_launcher(x, words, s, z, *, fmt: int, group: int, n: int, k: int):
             fits = ws is not None and _fixup_fits(m, n, c.split_k, c.block_m, c.block_n)
             if c.fragment:
                 whole = fragment_whole(c, m, n, _sm_count(x.device.index or 0)) if c.tail else 0
-                fits = ws is not None and _fragment_fits(m, n, c.block_m, c.split_k, whole)
+                fits = ws is not None and _fragment_fits(m, n, c.block_m, c.split_k, whole, c.block_n)
                 return run_fragment(x, words, s, z, group=group, n=n, k=k, block_m=c.block_m, stages=c.stages,
                                     q_stages=c.prefetch, split_k=c.split_k if fits else 1, whole=whole,
-                                    pair=c.pair, overlap=c.overlap, sub=c.sub, workspace=ws if fits else None)
+                                    pair=c.pair, overlap=c.overlap, sub=c.sub, warp_groups=c.block_n // 64,
+                                    workspace=ws if fits else None)
             if c.specialized:
                 return run_specialized(x, words, s, z, group=group, n=n, k=k, block_m=c.block_m, block_n=c.block_n,
                                        stages=c.stages, q_stages=c.prefetch, w_stages=c.block_w,

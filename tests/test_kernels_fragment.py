@@ -33,14 +33,21 @@ def test_offered_for_packed_int4_from_two_rows(monkeypatch):
             continue
         if m_bucket(m) < 128:  # one block of x as small as the rows allow, eight x and word buffers
             bm = max(8, m_bucket(m))
-            assert {c.block_m for c in got} == {bm} and not any(c.pair for c in got)
+            assert {c.block_m for c in got} == {bm} and not any(c.pair or c.tail for c in got)
             stages = {(*_word.FRAGMENT_SMALL_STAGES, 1)}
-            if bm <= 16:  # also fewer buffers, and slots of two tiles ([Note: slots of two tiles])
-                stages |= {(*_word.FRAGMENT_SMALL_STAGES_NARROW, 1), (*_word.FRAGMENT_SMALL_SLOTS, 2)}
-            assert {(c.stages, c.prefetch, c.sub) for c in got} == stages
-            assert all(c.overlap for c in got)
-            # 64 tiles of 128 weight rows fill half the SMs: also split in two
-            assert sorted(c.split_k for c in got) == sorted([1, 2] * len(stages))
+            if bm <= 16:  # also slots of two tiles ([Note: slots of two tiles])
+                stages |= {(*_word.FRAGMENT_SMALL_SLOTS, 2)}
+            # each with two and four MMA warp groups ([Note: four warp groups at small M])
+            assert {(c.stages, c.prefetch, c.sub, c.block_n) for c in got} == {
+                (*st, bn) for st in stages for bn in (128, 256)}
+            assert all(c.overlap and c.warps == c.block_n // 16 for c in got)
+            # 64 tiles of 128 weight rows fill half the SMs: also split in two; 32 of 256 a quarter: also in four
+            assert sorted((c.block_n, c.split_k) for c in got) == sorted(
+                [(128, 1), (128, 2), (256, 1), (256, 4)] * len(stages))
+            # where the weight rows are not whole blocks of 256, two warp groups only
+            odd = [c for c in _word.full_depth_candidates(FMT_W4, m, 8192 + 128, 1024, 128, gpu, packed=1)
+                   if c.fragment]
+            assert odd and {c.block_n for c in odd} == {128}
             continue
         assert {c.block_m for c in got} == ({128} if m_bucket(m) == 128 else {128, 256})
         assert all(c.pipelined and c.block_n == 128 and c.warps == 8 and c.block_w == 8 and c.prefetch == 8
@@ -64,9 +71,11 @@ def test_a_fragment_config_launches_the_fragment_kernel(monkeypatch):
     c = _word.WordConfig(256, 128, 8, 1, 8, 5, 7, full_depth=True, order=3, pipelined=True, fragment=True)
     seen = launched_with(monkeypatch, c, "run_fragment")
     assert seen == dict(group=128, n=64, k=256, block_m=256, stages=5, q_stages=7, split_k=1, whole=0,
-                        pair=False, overlap=False, sub=1, workspace=None)
+                        pair=False, overlap=False, sub=1, warp_groups=2, workspace=None)
     seen = launched_with(monkeypatch, _word.replace(c, overlap=True, sub=2), "run_fragment")
     assert (seen["overlap"], seen["sub"]) == (True, 2)
+    seen = launched_with(monkeypatch, _word.replace(c, block_m=16, block_n=256, warps=16, overlap=True), "run_fragment")
+    assert (seen["block_m"], seen["warp_groups"]) == (16, 4)  # [Note: four warp groups at small M]
     seen = launched_with(monkeypatch, _word.replace(c, pair=True), "run_fragment")
     assert (seen["pair"], seen["overlap"]) == (True, False)
     seen = launched_with(monkeypatch, _word.replace(c, overlap=True), "run_fragment")
@@ -134,6 +143,9 @@ def test_slots_of_two_tiles_and_buffer_counts_that_would_hang_are_refused():
                 dict(sub=2, overlap=True)):  # K = 192 is three 64-column tiles, no whole slots of two
         with pytest.raises(ValueError, match="slots of two tiles"):
             _pipelined.run_fragment(x, w, s, None, stages=3, q_stages=3, **bad, **args)
+    for bad in (dict(warp_groups=3), dict(warp_groups=4, block_m=128), dict(warp_groups=4, pair=True)):
+        with pytest.raises(ValueError, match="four warp groups at small M"):
+            _pipelined.run_fragment(x, w, s, None, stages=3, q_stages=3, **{**args, **bad})
 
 
 def test_bad_splits_and_a_small_workspace_are_refused_before_launch():
@@ -175,15 +187,16 @@ m, n, k = 256, 8192, 8192
 x = torch.empty(m, k, dtype=tdt)
 w = torch.empty(n, k // 8, dtype=torch.int32)
 args = dict(x_desc=TensorDescriptor(x, [m, k], [k, 1], [bm, 64], gl.NVMMASharedLayout.get_default_for([bm, 64], dt)),
-            w_desc=TensorDescriptor(w, list(w.shape), [w.shape[1], 1], [128, 8],
-                                    gl.NVMMASharedLayout.get_default_for([128, 8], gl.int32)),
+            w_desc=TensorDescriptor(w, list(w.shape), [w.shape[1], 1], [64 * opts.get("NWG", 2), 8],
+                                    gl.NVMMASharedLayout.get_default_for([64 * opts.get("NWG", 2), 8], gl.int32)),
             s_ptr=torch.empty(1, dtype=tdt), z_ptr=torch.empty(1, dtype=torch.uint8),
             out_ptr=torch.empty(1, dtype=tdt), part_ptr=torch.empty(1, dtype=torch.float32),
             count_ptr=torch.empty(1, dtype=torch.int32), M=m, N=n, K=k, WHOLE=100, SPLIT_K=2, stride_sn=64,
             stride_om=n)
 sig = {name: mangle_type(v) for name, v in args.items()}
 const = dict(GROUP=128, HAS_ZEROS=True, BLOCK_M=bm, XSTAGES=opts.get("XS", 4), QSTAGES=opts.get("QS", 8),
-             MMA_REGS=232, num_warps=4, PAIR=opts["PAIR"], OVERLAP=opts.get("OVERLAP", False), SUB=opts.get("SUB", 1))
+             MMA_REGS=opts.get("REGS", 232), num_warps=4, PAIR=opts["PAIR"], OVERLAP=opts.get("OVERLAP", False),
+             SUB=opts.get("SUB", 1), NWG=opts.get("NWG", 2))
 sig.update({name: "constexpr" for name in const})
 kernel = triton.compile(GluonASTSource(P.w4_fragment_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": 4})
@@ -306,16 +319,18 @@ def test_overlapped_fragments_leave_the_in_flight_registers_alone(tmp_path, bm):
     assert len(issued) == 16
 
 
-def test_slots_of_two_tiles_halve_the_ring_traffic_and_keep_the_registers_apart(tmp_path):
+@pytest.mark.parametrize("nwg", [2, 4])
+def test_slots_of_two_tiles_halve_the_ring_traffic_and_keep_the_registers_apart(tmp_path, nwg):
     """[Note: slots of two tiles]: the loop holds two tiles (eight ``HGMMA``, two retires) with one wait for each
     ring (words, ``x``) and one arrive for each, no spills, and no write to an in-flight ``HGMMA``'s A registers
-    before its retire; it is shorter than two rounds of the one-tile loop."""
+    before its retire; it is shorter than two rounds of the one-tile loop. Also with four MMA warp groups at 104
+    registers a thread ([Note: four warp groups at small M])."""
     if not _pipelined._gluon_ok():
         pytest.skip("this triton has no Gluon for Hopper")
     loops = {}
     for sub in (1, 2):
         opts = dict(BM=16, HALF=False, PAIR=False, OVERLAP=True, SUB=sub, XS=3 if sub == 2 else 8,
-                    QS=3 if sub == 2 else 8)
+                    QS=3 if sub == 2 else 8, NWG=nwg, REGS=232 if nwg == 2 else 104)
         got = run_compile_script(_COMPILE, [json.dumps(opts), str(tmp_path / f"s{sub}.cubin")], tmp_path)
         code = got["code"]
         assert not [op for _, op, _ in code if op.startswith(("STL", "LDL"))]
