@@ -271,7 +271,16 @@ def main() -> int:
     p.add_argument("--fuse", action="store_true", help="also time bf16 and INT4 with q/k/v and gate/up fused "
                    "(zspeed.compress.fuse_projections)")
     p.add_argument("--systems", help=f"comma-separated subset of: {', '.join(SYSTEMS)} (overrides --head/--fuse)")
+    p.add_argument("--inductor-pdl", action="store_true", help="with --compile: Inductor's kernels launched as "
+                   "programmatic dependents too (torch._inductor.config.triton.enable_pdl), for every system alike")
     args = p.parse_args()
+    if args.inductor_pdl:
+        import torch._inductor.config as inductor_config
+
+        if not hasattr(inductor_config.triton, "enable_pdl"):
+            print("--inductor-pdl: this torch's Inductor has no triton.enable_pdl", file=sys.stderr)
+            return 2
+        inductor_config.triton.enable_pdl = True
     device = "cpu" if args.dry_run else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         print("bench_decode needs a CUDA GPU (or --dry-run)", file=sys.stderr)

@@ -9,7 +9,8 @@ tiles ([Note: paired tiles]); every output on NaN-filled memory.
 Then the tail split ([Note: tail split]): each tile it runs whole must equal the unsplit kernel's output and each
 tile it splits the uniformly split kernel's, bit for bit. Then small blocks of ``x`` (8 to 64 rows), overlapped and
 not, in ring slots of two tiles ([Note: slots of two tiles]) and with four MMA warp groups ([Note: four warp
-groups at small M]), bit for bit, all near the fp32 reference. Prints
+groups at small M]), bit for bit, all near the fp32 reference. Then INT8 words ([Note: INT8 fragments]): the
+plain, overlapped and paired schedules bit for bit, near the fp32 reference. Prints
 one JSON line per case and ``ALL EXACT`` or the cases that differ.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ import json
 
 import torch
 
-from zspeed.compress import quantize_int4
+from zspeed.compress import quantize_int4, quantize_int8
 from zspeed.kernels import _word
 from zspeed.kernels._pipelined import run_fragment, run_specialized
 
@@ -50,11 +51,21 @@ SMALL_CASES = [  # (K, N, M, block_m, split_k, symmetric, dtype)
     (28672, 8192, 64, 64, 2, False, torch.bfloat16),
 ]
 
+# INT8 words ([Note: INT8 fragments]): plain, overlapped and paired schedules bit for bit, near the fp32 reference
+INT8_CASES = [  # (K, N, M, block_m, split_k, MMA warp groups, dtype)
+    (8192, 8192, 256, 256, 1, 2, torch.bfloat16),
+    (4096 + 128, 1000, 77, 128, 3, 2, torch.bfloat16),
+    (8192, 4096, 300, 256, 2, 2, torch.float16),
+    (8192, 8192, 16, 16, 2, 4, torch.bfloat16),
+    (4096 + 128, 1000, 5, 8, 1, 4, torch.float16),
+]
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--small", action="store_true", help="only the small blocks of x (and slots of two tiles)")
     args = p.parse_args()
+    small = args.small  # (``args`` is reused below for each case's launch arguments)
     g = torch.Generator(device="cuda").manual_seed(0)
     bad = []
     for k, n, m, bm, sp, sym, dt in [] if args.small else CASES:
@@ -127,6 +138,26 @@ def main() -> None:
                    + (int((slots != overlapped).sum()) if same_slices else 0),
                    slots_ndiff=int((slots != overlapped).sum()),
                    nan=bool(overlapped.isnan().any() or slots.isnan().any() or four.isnan().any()), rel_err=err)
+        print(json.dumps(row), flush=True)
+        if row["ndiff"] or row["nan"] or not err < 1e-2:
+            bad.append(row)
+    for k, n, m, bm, sp, nwg, dt in [] if small else INT8_CASES:  # [Note: INT8 fragments]
+        w = torch.randn(n, k, device="cuda", generator=g, dtype=torch.float32) * 0.02
+        q = quantize_int8(w, scale_dtype=torch.bfloat16)
+        words = q.qweight.view(torch.int32)
+        x = torch.randn(m, k, device="cuda", generator=g).to(dt)
+        ws = _word._stationary_workspace(x.device) if sp > 1 else None
+        args8 = dict(group=64, n=n, k=k, block_m=bm, stages=4, q_stages=8, split_k=sp,
+                     workspace=ws, warp_groups=nwg, int8=True)
+        torch.empty(m, n, device="cuda", dtype=dt).fill_(float("nan"))
+        plain = run_fragment(x, words, q.scales, None, **args8)
+        overlapped = run_fragment(x, words, q.scales, None, overlap=True, **args8)
+        paired = run_fragment(x, words, q.scales, None, pair=True, **args8) if nwg == 2 else overlapped
+        ref = x.float() @ q.dequantize(torch.float32).t()  # the scale on the sums: against fp32 weights
+        err = ((overlapped.float() - ref).norm() / ref.norm()).item()
+        row = dict(int8=True, k=k, n=n, m=m, block_m=bm, split_k=sp, warp_groups=nwg, dtype=str(dt),
+                   ndiff=int((plain != overlapped).sum()) + int((paired != overlapped).sum()),
+                   nan=bool(plain.isnan().any() or overlapped.isnan().any()), rel_err=err)
         print(json.dumps(row), flush=True)
         if row["ndiff"] or row["nan"] or not err < 1e-2:
             bad.append(row)

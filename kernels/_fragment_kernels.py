@@ -1,4 +1,4 @@
-"""The INT4 GEMM for Hopper whose weights go into the ``wgmma`` from registers, written in Gluon.
+"""The INT4 (and INT8) GEMM for Hopper whose weights go into the ``wgmma`` from registers, written in Gluon.
 
 Imported lazily, like ``_specialized_kernels``; only on an sm_90 GPU with a Triton whose Gluon has
 ``warp_specialize`` (``_pipelined.specialized_possible``).
@@ -80,8 +80,25 @@ small (at most 64 rows of ``x``: 32 registers) and no spill (sm_90 SASS, ``tests
 large blocks it spilled (kernels run 99). Each warp group's rows, sums and partials are those of ``NWG = 2``; only the
 program that computes them changes, and the counters are ``NWG`` a tile. Kernels run 118, over bf16, two / four warp
 groups (best split each): at 16 rows 1.96 / **2.27** on 8192x28672, 1.87 / 1.90 on 8192x8192, 2.13 / 2.10 on
-28672x8192; at 64 rows 1.65 / **1.99**, 1.71 / 1.69, 1.76 / **1.92**. The tuner offers both below 128 rows, four only
-where the weight rows make whole blocks of 256 (the only shapes checked on the GPU so far).
+28672x8192; at 64 rows 1.65 / **1.99**, 1.71 / 1.69, 1.76 / **1.92**. The tuner offers both below 128 rows, at every
+``N``: run 119 (``benchmarks/fragment_check.py --small``, an H200) found four warp groups bit for bit equal to two,
+with 1000 weight rows (a partial last block) and split-K of 1-3 slices among the cases.
+
+[Note: INT8 fragments] The same kernel runs INT8 words (``w_desc`` blocks of 16 words a row, which the kernel reads
+as ``INT8``). A 64-column tile row is 16 words of four columns, and the A fragment's register ``j`` of lane ``4g + 2h
++ b`` holds columns ``8j + 4h + 2b`` and ``+ 1``: bytes ``2b`` and ``2b + 1`` of word ``2j + h``. So a lane loads 8 of
+its rows' 16 words (every other one; lanes ``b = 0, 1`` the same), and the tensor is ``(64, 8, 2, 2, 2)`` (rows, j,
+h, b, column of the pair) in a linear layout whose ``(64, 64)`` reshape is the fragment, as for INT4. A pair is
+exact in six instructions (bf16): an xor makes each byte ``v + 128``; a ``prmt`` puts each byte under ``0x4B0000``,
+the fp32 ``2^23 + v + 128``; one subtract each leaves ``v``, and one ``cvt`` rounds both (exactly) into a bf16 pair.
+bf16's 8 bits of precision cannot hold ``256 + v`` as the INT4 path's magic number does. fp16 x takes ``1024 + v +
+128`` straight from the ``prmt`` (three instructions). The per-channel scale multiplies the row's fp32 sums before
+the store, so there are no group scales to load. That rounds once less than a dequantized bf16 weight: outputs are
+within ~2e-3 of the bf16 reference, not bit for bit any other kernel's (its own schedules agree bit for bit:
+``benchmarks/fragment_check.py``, kernels run 127). Kernels run 125 (H100, best config over cuBLAS bf16, against
+the path the tuner chose before, the pipelined INT8 kernel from 128 rows): 0.99-1.12x at 256 rows (0.80-0.87x),
+0.87-0.97x at 1024 (0.66-0.70x), 1.35-1.72x at 64 (1.36-1.57x). From 2 rows the tuner times it beside the others;
+run 126, the peers' benchmark: W8A16 1.00 / 1.02 / 1.09x at 256 rows.
 
 [Note: slots of two tiles] Every mbarrier wait and arrive of a warp group costs a warp-group ``bar.sync`` besides
 the one before the arrives (Triton 3.6 puts one before each, sm_90 PTX): four a tile, plus the try-wait loops and
@@ -127,12 +144,35 @@ _ASM_FRAG_F16 = gl.constexpr(_fragment_asm("0x64006400", "f16x2"))
 _ASM_FRAG_IO = gl.constexpr("=r," + ",".join(["r"] * 8))
 
 
+def _fragment8_asm(half: bool) -> str:
+    """INT8 ([Note: INT8 fragments]): ``$0`` the pair of columns in bytes ``2b, 2b + 1`` of the word ``$1``; ``$3``
+    the ``prmt`` selectors (bf16: the first value's in bits 0-15, the second's in bits 16-31). The xor makes each
+    signed byte ``v + 128``; bf16 has too few mantissa bits for ``256 + (v + 128)``, so each byte goes into an fp32
+    ``2^23 + v + 128``, loses ``2^23 + 128`` exactly and the two are rounded (exactly: |v| <= 128) into a bf16
+    pair; fp16 takes ``1024 + v + 128`` directly."""
+    lines = ["{", ".reg .b32 u, lo, hi, c;", "lop3.b32 u, $1, 0x80808080, 0, 0x3c;"]  # xor: v + 128 a byte
+    if half:
+        lines += ["prmt.b32 lo, u, 0x64646464, $3;", "mov.b32 c, 0x64806480;", "sub.rn.f16x2 $0, lo, c;"]
+    else:
+        lines += [".reg .f32 a, b;", "shr.b32 c, $3, 16;",
+                  "prmt.b32 lo, u, 0x4B000000, $3;", "prmt.b32 hi, u, 0x4B000000, c;",
+                  "mov.b32 a, lo;", "mov.b32 b, hi;", "sub.rn.f32 a, a, 0f4B000080;", "sub.rn.f32 b, b, 0f4B000080;",
+                  "cvt.rn.bf16x2.f32 $0, b, a;"]
+    return "\n".join(lines + ["}"])
+
+
+_ASM_FRAG8_BF16 = gl.constexpr(_fragment8_asm(False))
+_ASM_FRAG8_F16 = gl.constexpr(_fragment8_asm(True))
+_ASM_FRAG8_IO = gl.constexpr("=r,r,r,r,r")
+
+
 @gluon.jit
 def _load_part(x_desc, w_desc, x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, off_m, off_n, t_lo, n_tiles,
                XSTAGES: gl.constexpr, QSTAGES: gl.constexpr, SUB: gl.constexpr):
     """The loader warp: words run ``QSTAGES - XSTAGES`` slots ahead of ``x`` (they come from HBM, ``x`` mostly from
     L2), each slot's copies (``SUB`` tiles, [Note: slots of two tiles]) issued once the slot is free."""
     LEAD: gl.constexpr = QSTAGES - XSTAGES
+    WPT: gl.constexpr = q_smem.shape[2]  # words a tile row: 8 INT4, 16 INT8
     n_slots = n_tiles // SUB
     for i in range(n_slots + LEAD):
         if i < n_slots:
@@ -140,7 +180,7 @@ def _load_part(x_desc, w_desc, x_smem, q_smem, x_ready, x_empty, q_ready, q_empt
             mbarrier.wait(q_empty.index(qs), ((i // QSTAGES) & 1) ^ 1)  # a fresh barrier passes parity 1 at once
             mbarrier.expect(q_ready.index(qs), SUB * w_desc.block_type.nbytes)
             for h in gl.static_range(SUB):
-                _tma_load(w_desc, [off_n, (t_lo + i * SUB + h) * BW], q_ready.index(qs), q_smem.index(qs * SUB + h))
+                _tma_load(w_desc, [off_n, (t_lo + i * SUB + h) * WPT], q_ready.index(qs), q_smem.index(qs * SUB + h))
         j = i - LEAD
         if j >= 0:
             xs = j % XSTAGES
@@ -203,19 +243,32 @@ def _fragments_in(q_smem, q_ready, slot, phase, buf, j, t, s_cur, z_cur, s_nxt, 
     """``_fragments`` of the word tile in buffer ``buf``; with ``WAIT``, after waiting for ring slot ``slot`` in
     ``phase`` (a slot of ``SUB`` tiles is waited for at its first: [Note: slots of two tiles])."""
     TILES_PER_GROUP: gl.constexpr = GROUP // BK
-    if (t % TILES_PER_GROUP == 0) & (j > 0):
-        s_cur, z_cur = _group_pack(s_nxt, z_nxt, HAS_ZEROS, HALF)
-        s_nxt, z_nxt = _group_load(s_ptr, z_ptr, rows, rmask, gl.minimum(t // TILES_PER_GROUP + 1, groups - 1),
-                                   stride_sn, HAS_ZEROS)
+    INT8: gl.constexpr = q_smem.shape[2] == 16
+    if not INT8:  # (INT8: one scale a row, applied to the sums)
+        if (t % TILES_PER_GROUP == 0) & (j > 0):
+            s_cur, z_cur = _group_pack(s_nxt, z_nxt, HAS_ZEROS, HALF)
+            s_nxt, z_nxt = _group_load(s_ptr, z_ptr, rows, rmask, gl.minimum(t // TILES_PER_GROUP + 1, groups - 1),
+                                       stride_sn, HAS_ZEROS)
     if WAIT:
         mbarrier.wait(q_ready.index(slot), phase)
     w = q_smem.index(buf).slice(WG * 64, 64, dim=0).load(W_L)
-    w4 = gl.broadcast(gl.expand_dims(gl.expand_dims(w, 2), 3), like)[0]
-    if HALF:
+    if INT8:  # [Note: INT8 fragments]: word 2j + h of the row is (j, h) of the fragment's (64, 8, 2, 2, 2)
+        W3: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, like.type.layout))
+        w3 = gl.convert_layout(gl.reshape(w, [64, 8, 2]), W3)
+        w5 = gl.broadcast(gl.expand_dims(gl.expand_dims(w3, 3), 4), like)[0]
+        if HALF:
+            f = gl.inline_asm_elementwise(_ASM_FRAG8_F16, _ASM_FRAG8_IO, [w5, sel], dtype=gl.float16, is_pure=True,
+                                          pack=2)
+        else:
+            f = gl.inline_asm_elementwise(_ASM_FRAG8_BF16, _ASM_FRAG8_IO, [w5, sel], dtype=gl.bfloat16,
+                                          is_pure=True, pack=2)
+    elif HALF:
+        w4 = gl.broadcast(gl.expand_dims(gl.expand_dims(w, 2), 3), like)[0]
         f = gl.inline_asm_elementwise(_ASM_FRAG_F16, _ASM_FRAG_IO,
                                       [w4, sel, _spread(s_cur, like), _spread(z_cur, like)],
                                       dtype=gl.float16, is_pure=True, pack=2)
     else:
+        w4 = gl.broadcast(gl.expand_dims(gl.expand_dims(w, 2), 3), like)[0]
         f = gl.inline_asm_elementwise(_ASM_FRAG_BF16, _ASM_FRAG_IO,
                                       [w4, sel, _spread(s_cur, like), _spread(z_cur, like)],
                                       dtype=gl.bfloat16, is_pure=True, pack=2)
@@ -240,24 +293,49 @@ def _consumer(x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, 
         reg_bases=[[0, 0, 0, 1], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0], [8, 0, 0, 0]],
         lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
         warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[64, BW, 4, 2])
-    L3: gl.constexpr = gl.SliceLayout(3, L4)
-    W_L: gl.constexpr = gl.SliceLayout(2, L3)  # (64, 8) words, every lane of a quad the row's all
-    R_L: gl.constexpr = gl.SliceLayout(1, W_L)  # (64,) per row
-    T_L: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, L3))  # (4,) per lane t
     HALF: gl.constexpr = x_smem.dtype == gl.float16
-
+    INT8: gl.constexpr = q_smem.shape[2] == 16
     row0 = off_n + WG * 64
-    rows = row0 + gl.arange(0, 64, layout=R_L)
-    rmask = rows < N
-    like = gl.zeros([64, BW, 4, 2], gl.int32, L4)
-    t_idx = gl.arange(0, 4, layout=T_L) + 0x4440  # the prmt selector of byte t ([Note: fragment wdot])
-    sel = gl.broadcast(gl.expand_dims(gl.expand_dims(gl.expand_dims(t_idx, 0), 1), 3), like)[0]
     TILES_PER_GROUP: gl.constexpr = GROUP // BK
     groups = K // GROUP
-    g0 = t_lo // TILES_PER_GROUP
-    s0, z0 = _group_load(s_ptr, z_ptr, rows, rmask, g0, stride_sn, HAS_ZEROS)
-    s_cur, z_cur = _group_pack(s0, z0, HAS_ZEROS, HALF)
-    s_nxt, z_nxt = _group_load(s_ptr, z_ptr, rows, rmask, gl.minimum(g0 + 1, groups - 1), stride_sn, HAS_ZEROS)
+    if INT8:  # [Note: INT8 fragments]: (rows, j, h, b, e), column 8j + 4h + 2b + e: byte 2b + e of word 2j + h
+        L5: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 0, 0, 1], [0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [0, 4, 0, 0, 0], [8, 0, 0, 0, 0]],
+            lane_bases=[[0, 0, 0, 1, 0], [0, 0, 1, 0, 0], [1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [4, 0, 0, 0, 0]],
+            warp_bases=[[16, 0, 0, 0, 0], [32, 0, 0, 0, 0]], block_bases=[], shape=[64, 8, 2, 2, 2])
+        # (64, 16) words: a lane the 8 words 2j + h of its two rows (h: lane bit 1; lane bit 0 reads the same)
+        W_L: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 2], [0, 4], [0, 8], [8, 0]], lane_bases=[[0, 0], [0, 1], [1, 0], [2, 0], [4, 0]],
+            warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 16])
+        R_L: gl.constexpr = gl.SliceLayout(1, W_L)
+        like = gl.zeros([64, 8, 2, 2, 2], gl.int32, L5)
+        b_idx = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
+            4, L5)))))[None, None, None, :, None]
+        if HALF:  # bytes 2b, 2b + 1 into the low bytes of two fp16 whose high bytes are 0x64
+            sel = gl.broadcast((0x4140 + 0x202 * b_idx).to(gl.int32), like)[0]
+        else:  # byte 2b (then 2b + 1) under 0x4B0000 as an fp32
+            sel = gl.broadcast((0x7650 + 2 * b_idx + ((0x7651 + 2 * b_idx) << 16)).to(gl.int32), like)[0]
+        rows = row0 + gl.arange(0, 64, layout=R_L)
+        rmask = rows < N
+        s_cur = gl.zeros([64], gl.int32, R_L)  # (no group scales: threaded through unused)
+        z_cur = s_cur
+        s_nxt = s_cur
+        z_nxt = s_cur
+    else:
+        L3: gl.constexpr = gl.SliceLayout(3, L4)
+        W_L: gl.constexpr = gl.SliceLayout(2, L3)  # (64, 8) words, every lane of a quad the row's all
+        R_L: gl.constexpr = gl.SliceLayout(1, W_L)  # (64,) per row
+        T_L: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, L3))  # (4,) per lane t
+        rows = row0 + gl.arange(0, 64, layout=R_L)
+        rmask = rows < N
+        like = gl.zeros([64, BW, 4, 2], gl.int32, L4)
+        t_idx = gl.arange(0, 4, layout=T_L) + 0x4440  # the prmt selector of byte t ([Note: fragment wdot])
+        sel = gl.broadcast(gl.expand_dims(gl.expand_dims(gl.expand_dims(t_idx, 0), 1), 3), like)[0]
+        g0 = t_lo // TILES_PER_GROUP
+        s0, z0 = _group_load(s_ptr, z_ptr, rows, rmask, g0, stride_sn, HAS_ZEROS)
+        s_cur, z_cur = _group_pack(s0, z0, HAS_ZEROS, HALF)
+        s_nxt, z_nxt = _group_load(s_ptr, z_ptr, rows, rmask, gl.minimum(g0 + 1, groups - 1), stride_sn,
+                                   HAS_ZEROS)
     acc = gl.zeros([64, BLOCK_M], gl.float32, acc_l)
     n_single = n_tiles
     if PAIR:
@@ -356,6 +434,9 @@ def _consumer(x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, 
         _cta_barrier()  # this warp group: its words of the tile read, its wgmma retired
         mbarrier.arrive(q_empty.index(j % QSTAGES))
         mbarrier.arrive(x_empty.index(xs))
+    if INT8:  # the row's scale on its sums ([Note: INT8 fragments])
+        a_rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
+        acc = acc * gl.expand_dims(gl.load(s_ptr + a_rows, mask=a_rows < N, other=0.0).to(gl.float32), 1)
     p_slice = 64 * BLOCK_M  # a compact partial block per warp group, slice and split tile ([Note: tail split])
     _store_acc(acc, out_ptr, part_ptr, count_ptr, row0, off_m, M, N, split, stride_om, tile * NWG + WG, k_slice,
                (p_tile * NWG + WG) * split * p_slice, p_slice, 64, 64, BLOCK_M, 4)
@@ -367,7 +448,8 @@ def w4_fragment_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_pt
                        XSTAGES: gl.constexpr, QSTAGES: gl.constexpr, MMA_REGS: gl.constexpr, num_warps: gl.constexpr,
                        PAIR: gl.constexpr = False, OVERLAP: gl.constexpr = False, SUB: gl.constexpr = 1,
                        NWG: gl.constexpr = 2):
-    """``out[M, N] = x @ dequant(W)^T`` for INT4 words, ``x`` and scales in bf16 or fp16 ([Note: fragment wdot]).
+    """``out[M, N] = x @ dequant(W)^T`` for INT4 words, ``x`` and scales in bf16 or fp16 ([Note: fragment wdot]);
+    INT8 words where ``w_desc`` has blocks of 16 words a row, one scale a row ([Note: INT8 fragments]).
     Tiles of ``64 NWG`` (128 or 256) weight rows x ``BLOCK_M`` rows of ``x``, numbered weight-row block first; the
     first ``WHOLE`` run whole, each of the others in ``SPLIT_K`` slices of ``K`` ([Note: tail split]): a 1-D grid of
     ``WHOLE + (tiles - WHOLE) SPLIT_K`` programs. ``K`` a multiple of 64, ``GROUP`` of 64. ``num_warps`` is 4, the
@@ -389,7 +471,8 @@ def w4_fragment_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_pt
     n_tiles = n_tiles * SUB
 
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [XSTAGES * SUB, BLOCK_M, BK], x_desc.layout)
-    q_smem = gl.allocate_shared_memory(gl.int32, [QSTAGES * SUB, BN, BW], w_desc.layout)
+    WPT: gl.constexpr = w_desc.block_type.shape[1]  # words a tile row: 8 INT4, 16 INT8 ([Note: INT8 fragments])
+    q_smem = gl.allocate_shared_memory(gl.int32, [QSTAGES * SUB, BN, WPT], w_desc.layout)
     x_ready = gl.allocate_shared_memory(gl.int64, [XSTAGES, 1], mbarrier.MBarrierLayout())
     x_empty = gl.allocate_shared_memory(gl.int64, [XSTAGES, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [QSTAGES, 1], mbarrier.MBarrierLayout())

@@ -121,7 +121,7 @@ def launch(name: str, fmt: int, x: torch.Tensor, w: torch.Tensor, s: torch.Tenso
             from ._pipelined import pipelined_fits, specialized_possible
 
             pipelined = pipelined_fits(x, s, group=group, k=k, int8=fmt == FMT_W8)
-            fragment = pipelined and fmt == FMT_W4 and specialized_possible(x.device, group=group, k=k)
+            fragment = pipelined and specialized_possible(x.device, group=group if fmt == FMT_W4 else 64, k=k)
         sparse_mma = False
         if fmt in (FMT_S24, FMT_S24W4) and view is not None and 1 < x.shape[0] <= kernel_policy().sparse_gemv_max_m:
             from ._sparse_mma import sparse_mma_fits, sparse_mma_w4_fits

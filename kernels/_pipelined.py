@@ -156,9 +156,9 @@ def _fragment_kernels():
 def run_fragment(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, *, group: int,
                  n: int, k: int, block_m: int, stages: int, q_stages: int, split_k: int = 1, whole: int = 0,
                  pair: bool = False, overlap: bool = False, sub: int = 1, warp_groups: int = 2,
-                 mma_regs: int | None = None,
-                 workspace: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """The INT4 kernel that dequantizes into the ``wgmma``'s register operand ([Note: fragment wdot] in
+                 mma_regs: int | None = None, workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 int8: bool = False) -> torch.Tensor:
+    """The INT4 (or INT8) kernel that dequantizes into the ``wgmma``'s register operand ([Note: fragment wdot] in
     ``_fragment_kernels``): 128 weight rows a program in two MMA warp groups, one loader warp; other arguments as
     :func:`run_pipelined`. With ``split_k > 1`` the tiles after the first ``whole`` (numbered weight-row block first)
     each run in ``split_k`` slices of ``K`` ([Note: tail split]), their partials ``(tiles - whole) x split_k x 128 x
@@ -166,7 +166,8 @@ def run_fragment(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch
     tiles]); ``overlap``: each ``wgmma`` in flight while the next tile is dequantized ([Note: overlapped fragments]);
     ``sub``: tiles a ring slot (2: [Note: slots of two tiles]; ``stages`` and ``q_stages`` then count slots);
     ``warp_groups``: MMA warp groups, 64 weight rows each (4: [Note: four warp groups at small M]), each with
-    ``mma_regs`` registers a thread (default 232 for two, 104 for four).
+    ``mma_regs`` registers a thread (default 232 for two, 104 for four). With ``int8``: INT8 words (N, K / 4), ``s``
+    the per-channel scales (N,), ``z`` and ``group`` unused ([Note: INT8 fragments]).
     """
     if warp_groups not in (2, 4) or (warp_groups == 4 and (block_m > 64 or pair)):
         raise ValueError(f"run_fragment: warp_groups={warp_groups} is invalid: use 2, or 4 with blocks of at most 64 "
@@ -195,7 +196,10 @@ def run_fragment(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch
                          f"counters; the "
                          f"workspace has {workspace[0].numel()} and {workspace[1].numel()}: split fewer tiles")
     m = x.shape[0]
-    x_desc, w_desc, out, _ = _operands(x, words, n=n, k=k, block_m=block_m, block_n=block_n, wpt=TILE_K // 8)
+    x_desc, w_desc, out, _ = _operands(x, words, n=n, k=k, block_m=block_m, block_n=block_n,
+                                       wpt=TILE_K // (4 if int8 else 8))
+    if int8:
+        group, z = TILE_K, None
     parts, counters = workspace if split_k > 1 else (out, words)
     if split_k == 1:  # every tile whole; SPLIT_K is then unused, and a 1 (which Triton would make a constant)
         whole, split_k = tiles, 2  # fails to compile in Triton 3.6's Gluon

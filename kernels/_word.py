@@ -415,12 +415,13 @@ def full_depth_candidates(fmt: int, m: int, n: int, kw: int, group: int, device:
                     if sp == 1 or _fixup_fits(m, n, sp, bm, bn):
                         out.append(WordConfig(bm, bn, 64 // CPW[fmt], sp, bn // 16, xs, qs, full_depth=True, order=3,
                                               pipelined=True, fixup=sp > 1))
-    if packed in (1, 2) and fmt == FMT_W4 and m >= FRAGMENT_SMALL_MIN_M:
-        from ._pipelined import specialized_possible
+    if ((packed in (1, 2) and fmt == FMT_W4) or (half_x and fmt == FMT_W8)) and m >= FRAGMENT_SMALL_MIN_M:
+        from ._pipelined import TILE_K, specialized_possible
 
-        if specialized_possible(device, group=group, k=kw * CPW[fmt]):
-            out += fragment_candidates(m, n, kw, sms)
-            if mb >= SPECIALIZED_MIN_M:
+        if specialized_possible(device, group=group if fmt == FMT_W4 else TILE_K, k=kw * CPW[fmt]):
+            # the register-operand kernel, INT8 too ([Note: INT8 fragments]); its tiles count K in INT4 words
+            out += fragment_candidates(m, n, kw * CPW[fmt] // 8, sms)
+            if mb >= SPECIALIZED_MIN_M and fmt == FMT_W4:
                 out += specialized_candidates(m, n, kw, sms)
     return out
 
@@ -441,9 +442,7 @@ def fragment_candidates(m: int, n: int, kw: int, sms: int) -> list[WordConfig]:
     if m_bucket(m) < FRAGMENT_MIN_M:  # one block of x, the wgmma's N as small as the rows allow
         bm = max(8, m_bucket(m))
         blocks = ()
-        for wg in FRAGMENT_SMALL_WARP_GROUPS:
-            if wg > 2 and n % (64 * wg):
-                continue  # four warp groups: checked on the GPU with whole blocks of weight rows only (run 118)
+        for wg in FRAGMENT_SMALL_WARP_GROUPS:  # four: bit for bit two's on the GPU, odd N included (run 119)
             blocks += ((bm, 64 * wg, *FRAGMENT_SMALL_STAGES, 1), )
             if bm <= 16 and kw % 16 == 0:  # K a multiple of two 64-column tiles
                 blocks += ((bm, 64 * wg, *FRAGMENT_SMALL_SLOTS, 2), )
@@ -810,7 +809,7 @@ def wdot_launcher(x, words, s, z, *, fmt: int, group: int, n: int, k: int):
                 return run_fragment(x, words, s, z, group=group, n=n, k=k, block_m=c.block_m, stages=c.stages,
                                     q_stages=c.prefetch, split_k=c.split_k if fits else 1, whole=whole,
                                     pair=c.pair, overlap=c.overlap, sub=c.sub, warp_groups=c.block_n // 64,
-                                    workspace=ws if fits else None)
+                                    workspace=ws if fits else None, int8=fmt == FMT_W8)
             if c.specialized:
                 return run_specialized(x, words, s, z, group=group, n=n, k=k, block_m=c.block_m, block_n=c.block_n,
                                        stages=c.stages, q_stages=c.prefetch, w_stages=c.block_w,

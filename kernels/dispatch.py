@@ -19,7 +19,9 @@ INT8 too, on the same kernel (bf16 / fp16 activations; 0.64-0.80x at 512 rows ag
 it beats dequantize + cuBLAS up to 2048 rows on all three benchmark shapes (kernels run 106, with
 the tail split, paired and overlapped tiles of session 18: 0.78-0.89x against 0.78-0.84x at 2048)
 and loses at 4096 (0.89-0.99x against 0.95-1.02x), so INT4 goes dense only from
-``fragment_dense_min_m`` rows there (3072, between the two; not measured at 3072 itself). 2:4, plain
+``fragment_dense_min_m`` rows there (3072, between the two; not measured at 3072 itself). INT8 takes that
+kernel too ([Note: INT8 fragments]) and has the same crossover (kernels run 126, H100: 0.93-0.97x against
+dequantize + cuBLAS's 0.82-0.85x at 2048 rows, 0.87-0.97x against 0.89-1.03x at 4096). 2:4, plain
 or + INT4, with bf16 ``x`` keeps ``gemv`` up to ``sparse_gemv_max_m`` rows where its GEMV on sparse
 tensor cores runs ([Note: 2:4 GEMV on sparse tensor cores] in ``_sparse_mma_kernels``): the rows of
 ``x`` are that MMA's 8 columns, so 1 to 8 rows read the weights once.
@@ -53,7 +55,7 @@ class KernelPolicy:
                                                  ("sparse24_w4a16", 128))
     semi_min_m: int = 128
     pipelined_dense_min_m: int = 1024  # INT4 / INT8 where the pipelined kernel runs ([Note: crossover])
-    fragment_dense_min_m: int = 3072  # INT4 where the register-operand kernel runs ([Note: crossover])
+    fragment_dense_min_m: int = 3072  # INT4 / INT8 where the register-operand kernel runs ([Note: crossover])
     sparse_gemv_max_m: int = 8  # 2:4 (plain, + INT4) keeps gemv up to here where it runs on sparse tensor cores
     force: str | None = None
 
@@ -71,7 +73,8 @@ class KernelPolicy:
         (``semi.semi_supported``); ``wdot``: whether the tensor-core word kernel has a tile for the groups;
         ``pipelined``: whether INT4 / INT8 can take the pipelined kernel (``_pipelined.pipelined_fits``);
         ``sparse_mma``: whether 2:4 (plain or + INT4) can take the GEMV on sparse tensor cores (``_sparse_mma``);
-        ``fragment``: whether INT4 can also take the register-operand kernel (``_pipelined.specialized_possible``)."""
+        ``fragment``: whether INT4 / INT8 can also take the register-operand kernel
+        (``_pipelined.specialized_possible``)."""
         forced = self.force or os.environ.get("ZSPEED_KERNEL_PATH") or None
         if forced:
             if forced not in PATH_NAMES:
@@ -86,7 +89,7 @@ class KernelPolicy:
         dense_min = dict(self.dense_min_m).get(fmt, 1024)
         if pipelined and fmt in WDOT_FORMATS and words and wdot:
             dense_min = max(dense_min, self.pipelined_dense_min_m)
-            if fragment and fmt == "w4a16":
+            if fragment:
                 dense_min = max(dense_min, self.fragment_dense_min_m)
         if m >= dense_min:
             return "dense"

@@ -51,19 +51,26 @@ def main_loop(code: list) -> list:
     raise AssertionError("no loop around the HGMMAs")
 
 
-def launched_with(monkeypatch, config, launcher: str) -> dict:
+def launched_with(monkeypatch, config, launcher: str, *, int8: bool = False) -> dict:
     """The keyword arguments that ``_word.wdot_launcher``'s launch hands ``_pipelined.<launcher>`` for ``config``
-    (an INT4 g128 layer of 64 x 256, three bf16 rows); every other Gluon launcher fails the test if called."""
+    (an INT4 g128 layer of 64 x 256, or with ``int8`` an INT8 one, three bf16 rows); every other Gluon launcher
+    fails the test if called."""
     import torch
 
     from zspeed.compress import quantize_int4
     from zspeed.kernels import _pipelined, _word
-    from zspeed.kernels._gemm import FMT_W4
+    from zspeed.compress import quantize_int8
+    from zspeed.kernels._gemm import FMT_W4, FMT_W8
 
-    q = quantize_int4(torch.randn(64, 256), group_size=128, scale_dtype=torch.bfloat16)
     x = torch.randn(3, 256, dtype=torch.bfloat16)
-    _, _, launch = _word.wdot_launcher(x, q.qweight.view(torch.int32), q.scales, q.zeros, fmt=FMT_W4, group=128,
-                                      n=64, k=256)
+    if int8:
+        q = quantize_int8(torch.randn(64, 256), scale_dtype=torch.bfloat16)
+        _, _, launch = _word.wdot_launcher(x, q.qweight.view(torch.int32), q.scales, None, fmt=FMT_W8, group=1, n=64,
+                                          k=256)
+    else:
+        q = quantize_int4(torch.randn(64, 256), group_size=128, scale_dtype=torch.bfloat16)
+        _, _, launch = _word.wdot_launcher(x, q.qweight.view(torch.int32), q.scales, q.zeros, fmt=FMT_W4, group=128,
+                                          n=64, k=256)
     seen = {}
 
     def fake(x, words, s, z, **kw):

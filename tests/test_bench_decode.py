@@ -66,3 +66,20 @@ def bench_args(**kw):
     import argparse
 
     return argparse.Namespace(**{"systems": None, "head": False, "fuse": False, **kw})
+
+
+def test_inductor_pdl_is_set_for_every_system_or_refused(monkeypatch, tmp_path):
+    """``--inductor-pdl`` turns on Inductor's programmatic dependent launch before any system compiles (every system
+    alike), and a torch whose Inductor lacks the switch is told so instead of running without it."""
+    import sys
+
+    import torch._inductor.config as inductor_config
+
+    bench = _bench()
+    monkeypatch.setattr(inductor_config.triton, "enable_pdl", False, raising=False)
+    out = tmp_path / "rows.json"
+    monkeypatch.setattr(sys, "argv", ["bench_decode.py", "--dry-run", "--inductor-pdl", "--systems", "bf16",
+                                      "--json", str(out)])
+    assert bench.main() == 0 and inductor_config.triton.enable_pdl is True and out.exists()
+    monkeypatch.delattr(inductor_config.triton, "enable_pdl")
+    assert bench.main() == 2

@@ -44,10 +44,10 @@ def test_offered_for_packed_int4_from_two_rows(monkeypatch):
             # 64 tiles of 128 weight rows fill half the SMs: also split in two; 32 of 256 a quarter: also in four
             assert sorted((c.block_n, c.split_k) for c in got) == sorted(
                 [(128, 1), (128, 2), (256, 1), (256, 4)] * len(stages))
-            # where the weight rows are not whole blocks of 256, two warp groups only
+            # weight rows that are not whole blocks of 256 too (the last block masked)
             odd = [c for c in _word.full_depth_candidates(FMT_W4, m, 8192 + 128, 1024, 128, gpu, packed=1)
                    if c.fragment]
-            assert odd and {c.block_n for c in odd} == {128}
+            assert {c.block_n for c in odd} == {128, 256}
             continue
         assert {c.block_m for c in got} == ({128} if m_bucket(m) == 128 else {128, 256})
         assert all(c.pipelined and c.block_n == 128 and c.warps == 8 and c.block_w == 8 and c.prefetch == 8
@@ -60,7 +60,14 @@ def test_offered_for_packed_int4_from_two_rows(monkeypatch):
     at_128 = [c for c in _word.full_depth_candidates(FMT_W4, 128, 8192, 1024, 128, gpu, 1) if c.fragment]
     assert at_128 and all(c.overlap and not c.pair for c in at_128)
     assert any(c.fragment for c in _word.full_depth_candidates(FMT_W4, 256, 8192, 1024, 128, gpu, 2))  # fp16
-    assert not any(c.fragment for c in _word.full_depth_candidates(FMT_W8, 256, 8192, 2048, 0, gpu, half_x=True))
+    # INT8 with bf16 / fp16 x too ([Note: INT8 fragments]): the same tiles (K counted in INT4 words), no warp-
+    # specialized ones; not with fp32 x
+    got8 = [c for c in _word.full_depth_candidates(FMT_W8, 256, 8192, 2048, 0, gpu, half_x=True) if c.fragment]
+    assert sorted((c.block_m, c.split_k, c.pair) for c in got8) == sorted((c.block_m, c.split_k, c.pair) for c in got)
+    assert not any(c.specialized for c in _word.full_depth_candidates(FMT_W8, 256, 8192, 2048, 0, gpu, half_x=True))
+    assert not any(c.fragment for c in _word.full_depth_candidates(FMT_W8, 256, 8192, 2048, 0, gpu, half_x=False))
+    small8 = [c for c in _word.full_depth_candidates(FMT_W8, 16, 8192, 2048, 0, gpu, half_x=True) if c.fragment]
+    assert {(c.block_m, c.block_n, c.sub) for c in small8} == {(16, 128, 1), (16, 256, 1), (16, 128, 2), (16, 256, 2)}
     assert not any(c.fragment for c in _word.full_depth_candidates(FMT_W4, 256, 8192, 1024, 128, gpu, 0))
     monkeypatch.setattr(_pipelined, "specialized_possible", lambda device, *, group, k: False)  # no warp_specialize
     got = _word.full_depth_candidates(FMT_W4, 256, 8192, 1024, 128, gpu, packed=1)
@@ -71,7 +78,7 @@ def test_a_fragment_config_launches_the_fragment_kernel(monkeypatch):
     c = _word.WordConfig(256, 128, 8, 1, 8, 5, 7, full_depth=True, order=3, pipelined=True, fragment=True)
     seen = launched_with(monkeypatch, c, "run_fragment")
     assert seen == dict(group=128, n=64, k=256, block_m=256, stages=5, q_stages=7, split_k=1, whole=0,
-                        pair=False, overlap=False, sub=1, warp_groups=2, workspace=None)
+                        pair=False, overlap=False, sub=1, warp_groups=2, workspace=None, int8=False)
     seen = launched_with(monkeypatch, _word.replace(c, overlap=True, sub=2), "run_fragment")
     assert (seen["overlap"], seen["sub"]) == (True, 2)
     seen = launched_with(monkeypatch, _word.replace(c, block_m=16, block_n=256, warps=16, overlap=True), "run_fragment")
@@ -80,6 +87,9 @@ def test_a_fragment_config_launches_the_fragment_kernel(monkeypatch):
     assert (seen["pair"], seen["overlap"]) == (True, False)
     seen = launched_with(monkeypatch, _word.replace(c, overlap=True), "run_fragment")
     assert (seen["pair"], seen["overlap"]) == (False, True)
+    assert not seen["int8"]
+    seen = launched_with(monkeypatch, _word.replace(c, overlap=True), "run_fragment", int8=True)
+    assert (seen["int8"], seen["k"], seen["block_m"]) == (True, 256, 256)  # [Note: INT8 fragments]
 
 
 def test_a_short_last_wave_is_split_and_the_whole_waves_are_not(monkeypatch):
@@ -185,16 +195,18 @@ bm, half = opts["BM"], opts["HALF"]
 dt, tdt = (gl.float16, torch.float16) if half else (gl.bfloat16, torch.bfloat16)
 m, n, k = 256, 8192, 8192
 x = torch.empty(m, k, dtype=tdt)
-w = torch.empty(n, k // 8, dtype=torch.int32)
+int8 = opts.get("INT8", False)
+wpt = 16 if int8 else 8  # words a tile row
+w = torch.empty(n, k * wpt // 64, dtype=torch.int32)
 args = dict(x_desc=TensorDescriptor(x, [m, k], [k, 1], [bm, 64], gl.NVMMASharedLayout.get_default_for([bm, 64], dt)),
-            w_desc=TensorDescriptor(w, list(w.shape), [w.shape[1], 1], [64 * opts.get("NWG", 2), 8],
-                                    gl.NVMMASharedLayout.get_default_for([64 * opts.get("NWG", 2), 8], gl.int32)),
+            w_desc=TensorDescriptor(w, list(w.shape), [w.shape[1], 1], [64 * opts.get("NWG", 2), wpt],
+                                    gl.NVMMASharedLayout.get_default_for([64 * opts.get("NWG", 2), wpt], gl.int32)),
             s_ptr=torch.empty(1, dtype=tdt), z_ptr=torch.empty(1, dtype=torch.uint8),
             out_ptr=torch.empty(1, dtype=tdt), part_ptr=torch.empty(1, dtype=torch.float32),
             count_ptr=torch.empty(1, dtype=torch.int32), M=m, N=n, K=k, WHOLE=100, SPLIT_K=2, stride_sn=64,
             stride_om=n)
 sig = {name: mangle_type(v) for name, v in args.items()}
-const = dict(GROUP=128, HAS_ZEROS=True, BLOCK_M=bm, XSTAGES=opts.get("XS", 4), QSTAGES=opts.get("QS", 8),
+const = dict(GROUP=64 if int8 else 128, HAS_ZEROS=not int8, BLOCK_M=bm, XSTAGES=opts.get("XS", 4), QSTAGES=opts.get("QS", 8),
              MMA_REGS=opts.get("REGS", 232), num_warps=4, PAIR=opts["PAIR"], OVERLAP=opts.get("OVERLAP", False),
              SUB=opts.get("SUB", 1), NWG=opts.get("NWG", 2))
 sig.update({name: "constexpr" for name in const})
@@ -233,6 +245,40 @@ def test_compiles_for_hopper_with_the_weights_in_registers(tmp_path, bm, half):
     assert len(ids) == 4 and all(ids) and len({i.group(1) for i in ids}) == 2
     assert got["shared"] <= 232448
     assert got["fixup"]["loads"] > 0 and got["fixup"]["stores"] > 0
+
+
+@pytest.mark.parametrize("bm,half,nwg", [(256, False, 2), (16, False, 4), (64, True, 2)])
+def test_int8_words_compile_to_exact_pairs_in_the_wgmma_registers(tmp_path, bm, half, nwg):
+    """[Note: INT8 fragments]: INT8 words go into the ``wgmma``'s A registers too: 16 pairs a thread a tile, each
+    an xor, a ``prmt`` and an exact fp16 subtract (fp16), or two ``prmt``, two fp32 subtracts and one packing
+    ``cvt`` (bf16); a thread's 8 words of each of its two rows; no scale multiply in the loop and no spills in it
+    (with 256-row blocks the epilogue's scale multiply spills a few registers once a tile, after the loop)."""
+    if not _pipelined._gluon_ok():
+        pytest.skip("this triton has no Gluon for Hopper")
+    opts = dict(BM=bm, HALF=half, PAIR=False, OVERLAP=True, INT8=True, NWG=nwg, REGS=232 if nwg == 2 else 104)
+    got = run_compile_script(_COMPILE, [json.dumps(opts), str(tmp_path / "i8.cubin")], tmp_path)
+    code = got["code"]
+    if bm <= 64:
+        assert not [op for _, op, _ in code if op.startswith(("STL", "LDL"))]
+    loops = []  # the innermost loop around the HGMMAs (the main_loop helper may find the fix-up's)
+    for addr, op, rest in code:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            body = [(a, o, r) for a, o, r in code if int(target.group(1), 16) <= a <= addr]
+            if any(o.startswith("HGMMA") for _, o, _ in body):
+                loops.append(body)
+    ops = [op for _, op, _ in min(loops, key=len)]
+    assert not [op for op in ops if op.startswith(("STL", "LDL"))]
+    mmas = [rest for _, op, rest in min(loops, key=len) if op.startswith("HGMMA")]
+    assert len(mmas) == 4 and all(re.search(r"\sR\d+, R\d+, gdesc", rest) for rest in mmas)
+    assert not any(op.startswith("STS") for op in ops)
+    assert sum(op.startswith("LDS") for op in ops) == 16  # 8 words of each of two rows
+    assert not any(op.startswith("HMUL2") for op in ops)  # the scale is applied to the sums
+    if half:
+        assert sum(op.startswith("HADD2") for op in ops) == 16 and sum(op.startswith("PRMT") for op in ops) == 16
+    else:
+        assert sum(op.startswith("F2FP") for op in ops) == 16 and sum(op.startswith("FADD") for op in ops) == 32
+    assert got["shared"] <= 232448
 
 
 def test_an_unsplit_launch_passes_no_constant_split(monkeypatch):

@@ -36,7 +36,8 @@ def test_offered_for_packed_int4_from_128_rows_on_hopper_only(monkeypatch):
         assert {c.block_m for c in got} == ({128} if m <= 128 else {128, 256})
     assert seen and all(s == (128, 8192) for s in seen)
     assert any(c.pipelined for c in _word.full_depth_candidates(FMT_W4, 256, 8192, 1024, 128, gpu, 2))  # fp16
-    int8 = [c for c in _word.full_depth_candidates(FMT_W8, 256, 8192, 2048, 0, gpu, half_x=True) if c.pipelined]
+    int8 = [c for c in _word.full_depth_candidates(FMT_W8, 256, 8192, 2048, 0, gpu, half_x=True)
+            if c.pipelined and not c.fragment]
     assert int8 and all(c.block_w == 16 and c.prefetch == 4 for c in int8)  # 64 columns of INT8, 4 word buffers
     for packed, fmt in ((0, FMT_W4), (0, FMT_W8)):  # the fp32 path (scales not in x's dtype), fp32 x: not offered
         assert not any(c.pipelined for c in _word.full_depth_candidates(fmt, 256, 8192, 1024, 128, gpu, packed))
@@ -150,13 +151,15 @@ def test_int4_goes_dense_later_where_the_pipelined_kernel_runs(monkeypatch):
     assert policy.path("sparse24", 512, pipelined=True) == "dense"
     assert policy.path("w4a16", 512, pipelined=True, wdot=False) == "dense"  # no tile for these groups
     assert KernelPolicy(pipelined_dense_min_m=256).path("w4a16", 300, pipelined=True) == "wdot"  # never earlier
-    # INT4 with the register-operand kernel keeps wdot to 3071 rows (kernels run 106: it ties or wins at 2048, loses
-    # at 4096); INT8 does not take that kernel
+    # INT4 and INT8 with the register-operand kernel keep wdot to 3071 rows (kernels runs 106 and 126: it wins at
+    # 2048, loses at 4096)
     assert policy.path("w4a16", 1024, pipelined=True, fragment=True) == "wdot"
     assert policy.path("w4a16", 2048, pipelined=True, fragment=True) == "wdot"
     assert policy.path("w4a16", 3071, pipelined=True, fragment=True) == "wdot"
     assert policy.path("w4a16", 3072, pipelined=True, fragment=True) == "dense"
-    assert policy.path("w8a16", 1024, pipelined=True, fragment=True) == "dense"
+    assert policy.path("w8a16", 2048, pipelined=True, fragment=True) == "wdot"
+    assert policy.path("w8a16", 3072, pipelined=True, fragment=True) == "dense"
+    assert policy.path("w8a16", 1024, pipelined=True) == "dense"  # without that kernel, as before
     assert policy.path("w4a16", 1024, fragment=True) == "dense"  # only where the pipelined path runs at all
     asked = []
     monkeypatch.setattr(_pipelined, "pipelined_fits", lambda x, s, *, group, k, int8: asked.append(x.shape[0]) or False)
