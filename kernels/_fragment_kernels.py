@@ -484,6 +484,8 @@ def w4_fragment_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, part_ptr, count_pt
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=NWG)
 
+    # The two calls spell out their partitions: a list built from one consumer entry (a comprehension or tuple
+    # concatenation) loses the constexpr-ness of WG and fails to compile in Triton 3.6's Gluon.
     if NWG == 4:  # [Note: four warp groups at small M]
         gl.warp_specialize([
             (_consumer, (x_smem, q_smem, x_ready, x_empty, q_ready, q_empty, s_ptr, z_ptr, out_ptr, part_ptr,

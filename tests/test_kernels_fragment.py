@@ -260,17 +260,11 @@ def test_int8_words_compile_to_exact_pairs_in_the_wgmma_registers(tmp_path, bm, 
     code = got["code"]
     if bm <= 64:
         assert not [op for _, op, _ in code if op.startswith(("STL", "LDL"))]
-    loops = []  # the innermost loop around the HGMMAs (the main_loop helper may find the fix-up's)
-    for addr, op, rest in code:
-        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
-        if target and int(target.group(1), 16) < addr:
-            body = [(a, o, r) for a, o, r in code if int(target.group(1), 16) <= a <= addr]
-            if any(o.startswith("HGMMA") for _, o, _ in body):
-                loops.append(body)
-    ops = [op for _, op, _ in min(loops, key=len)]
+    loop = _loop_with_mmas(code, 4)  # a tile's four k16 steps (main_loop may find the fix-up's loop)
+    ops = [op for _, op, _ in loop]
     assert not [op for op in ops if op.startswith(("STL", "LDL"))]
-    mmas = [rest for _, op, rest in min(loops, key=len) if op.startswith("HGMMA")]
-    assert len(mmas) == 4 and all(re.search(r"\sR\d+, R\d+, gdesc", rest) for rest in mmas)
+    mmas = [rest for _, op, rest in loop if op.startswith("HGMMA")]
+    assert all(re.search(r"\sR\d+, R\d+, gdesc", rest) for rest in mmas)  # A from registers
     assert not any(op.startswith("STS") for op in ops)
     assert sum(op.startswith("LDS") for op in ops) == 16  # 8 words of each of two rows
     assert not any(op.startswith("HMUL2") for op in ops)  # the scale is applied to the sums
