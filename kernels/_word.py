@@ -264,6 +264,12 @@ STATIONARY_TILES = ((4, 32, 4), (8, 16, 4), (2, 64, 4), (4, 64, 8), (8, 32, 8), 
 TMA_TILES = ((4, 64, 4), (4, 32, 4), (2, 64, 4), (8, 32, 4))  # (groups per slice, BLOCK_N, warps) of the INT4
 # TMA kernel: an H100 chose the first at 8192x8192, 8192x28672 and 28672x8192 (session 10); INT8 gets none (its
 # register kernel was faster at every shape timed)
+# (words per slice, BLOCK_N, warps): INT8's deep slices, a whole K of up to 8192 columns (2048 words) or slices of
+# 1024 words (kernels runs 133-134, H100, one row: 8192x8192 34.8 -> 32.5 us, 8192x28672 92.4 -> 88.5, 28672x8192
+# 93.8 -> 90.3 against the 16-word units above). One or two weight rows a block keep a thread at 8 or 16 words; a
+# program then loads its x once, and at most a few slices meet in the fix-up
+W8_DEEP_TILES = ((2048, 2, 8), (2048, 4, 16), (2048, 1, 8), (1024, 2, 4))
+W8_DEEP_RUNS = (8, 16, 32)  # row blocks per program, each run kept where it still gives a wave of programs
 TMA_RUNS = (4, 8, 16)  # row blocks per program
 TMA_STAGES = (3, 4)  # num_stages: 2 or 3 blocks in flight per program ([Note: TMA weight stream])
 STATIONARY_WORKSPACE = 1 << 23  # fp32 partial sums (32 MiB) per device; slices x rows x N must fit
@@ -301,6 +307,13 @@ def stationary_candidates(fmt: int, m: int, n: int, kw: int, group: int, device:
         out += [WordConfig(1, bn, bw, split, warps, row_blocks=r) for r in sorted({rb, min(32, 2 * rb)})]
         if rb > 2 and fmt in (FMT_W8, FMT_W4):  # blocks two ahead ([Note: register prefetch] in _word_kernels)
             out.append(WordConfig(1, bn, bw, split, warps, prefetch=2, row_blocks=rb))
+    if fmt == FMT_W8:
+        for bw, bn, warps in W8_DEEP_TILES:
+            split = cdiv(kw, bw)
+            if bw >= 2 * kw or (split > 1 and m * split * n > STATIONARY_WORKSPACE):
+                continue
+            out += [WordConfig(1, bn, bw, split, warps, row_blocks=rb) for rb in W8_DEEP_RUNS
+                    if m * split * cdiv(n, bn * rb) >= sms]
     if fmt == FMT_W4 and tma_available() and kw % wg == 0 and (kw * 4) % 16 == 0 and (wg * 4) % 16 == 0:
         for units, bn, warps in TMA_TILES:
             bw = units * wg

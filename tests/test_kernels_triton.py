@@ -230,6 +230,27 @@ def test_stationary_gemv_matches_reference(fmt, m, n, k, group, sym, dtype):
 
 
 @needs_interp
+@pytest.mark.parametrize("m,n,k,dtype", [(1, 37, 512, torch.float32), (2, 24, 640, torch.bfloat16)])
+def test_stationary_int8_deep_slices_match_reference(m, n, k, dtype):
+    """INT8's deep slices (``_word.W8_DEEP_TILES``): one slice over all of K (exactly: 512 columns = 128 words; or
+    past its end: 640 columns = 160 words in a slice of 256, masked), two slices with a partial second one (640
+    columns), one weight row a block; run twice (the counters must be back at zero)."""
+    from zspeed.kernels import _word
+
+    x, w = _inputs(m, n, k, dtype, seed=11)
+    q = quantize_int8(w)
+    words = q.qweight.view(torch.int32)
+    ref = w8a16_ref(x, q.qweight, q.scales)
+    kw = words.shape[1]
+    for bw, bn in ((1 << (kw - 1).bit_length(), 1), (256, 2), (128, 1)):  # (a slice is a power of two words)
+        cfg = _word.WordConfig(1, bn, bw, -(-kw // bw), 2, row_blocks=4)
+        for _ in range(2):
+            _close(_word.run_stationary(x, words, q.scales, None, cfg, fmt=_word.FMT_W8, group=0, n=n), ref, dtype)
+        if cfg.split_k > 1:
+            assert not _word._WORKSPACE[x.device][1].any(), "every counter back at zero"
+
+
+@needs_interp
 @pytest.mark.parametrize("m,n,k,dtype", [(1, 37, 512, torch.float32), (3, 24, 256, torch.bfloat16),
                                          (2, 40, 384, torch.float16), (1, 45, 96, torch.bfloat16)])
 def test_stationary_sparse24_matches_reference(m, n, k, dtype):

@@ -91,6 +91,27 @@ def test_stationary_tma_candidates_on_an_h100(monkeypatch, tmp_path):
     assert TuningCache(path).get(KEY) is None
 
 
+def test_int8_deep_slice_candidates_on_an_h100(monkeypatch):
+    """INT8 at one row also gets deep slices (``_word.W8_DEEP_TILES``): all of K in one slice where it is at most
+    2048 words, else slices of 1024 or 2048 words, each with at least a wave of programs and 8-16 words a thread;
+    INT4 and 2:4 keep slices of at most 8 groups or units."""
+    monkeypatch.setattr(_word, "interpreting", lambda: False)
+    monkeypatch.setattr(_word, "_sm_count", lambda index: 132)
+    gpu = torch.device("cuda", 0)
+    for n, k in ((8192, 8192), (8192, 28672), (28672, 8192), (4096, 4096)):
+        kw = k // 4
+        w8 = _word.stationary_candidates(_word.FMT_W8, 1, n, kw, 0, gpu)
+        deep = [c for c in w8 if c.block_w >= 1024]
+        assert deep and len(deep) < len(w8), (n, k)
+        assert any(c.split_k == 1 for c in deep) == (kw <= 2048), (n, k)
+        for c in deep:
+            assert c.block_w < 2 * kw and c.split_k == -(-kw // c.block_w) and c.prefetch == 1
+            assert c.split_k * -(-n // (c.block_n * c.row_blocks)) >= 132
+            assert c.block_n * c.block_w // (32 * c.warps) in (8, 16)
+        for fmt, kwf, group in ((_word.FMT_W4, k // 8, 128), (_word.FMT_S24, k // 4, 1)):
+            assert all(c.block_w <= 128 for c in _word.stationary_candidates(fmt, 1, n, kwf, group, gpu) if not c.tma)
+
+
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 999, "entries": {}}),
                                      json.dumps({"version": FORMAT_VERSION, "entries": {"|".join(map(str, KEY)):
                                                                                        {"block_n": 1, "bogus": 2}}})])
