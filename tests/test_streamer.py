@@ -247,17 +247,24 @@ def test_packed_unit_moves_in_one_copy(monkeypatch):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("cyclic", [True, False])
 def test_steady_state_acquires_find_their_unit_loaded(model, cyclic):
-    """Decode-like passes: after the first, every acquire finds its unit loaded (cyclic prefetch)."""
+    """Decode-like passes: after the first, every acquire finds its unit loaded (cyclic prefetch). The loader is a
+    thread: on a busy 2-core machine it can miss its 5 ms now and then (a CI run once saw one wait in 3 passes), so
+    the cyclic case gets up to three tries of 3 passes and must have one without any wait; without wrap-around every
+    pass's first unit waits, in every try."""
     with streamer_for(model, window=3, cyclic=cyclic) as streamer:
         for _ in streamer.run():
             time.sleep(0.005)  # compute: the loader has time to run ahead
-        before = streamer.stats
-        for _ in range(3):
-            for _ in streamer.run():
-                time.sleep(0.005)
-        after = streamer.stats
-    waited = (after.acquires - before.acquires) - (after.acquires_ready - before.acquires_ready)
+        tries = []
+        for _ in range(3 if cyclic else 1):
+            before = streamer.stats
+            for _ in range(3):
+                for _ in streamer.run():
+                    time.sleep(0.005)
+            after = streamer.stats
+            tries.append((after.acquires - before.acquires) - (after.acquires_ready - before.acquires_ready))
+            if tries[-1] == 0:
+                break
     if cyclic:
-        assert waited == 0
+        assert min(tries) == 0, tries
     else:  # no wrap-around: each pass's first unit is loaded on demand
-        assert waited >= 3
+        assert tries[0] >= 3
