@@ -276,6 +276,15 @@ STATIONARY_WORKSPACE = 1 << 23  # fp32 partial sums (32 MiB) per device; slices 
 WORKSPACE_COUNTERS = 1 << 16  # one per run of rows (x-stationary) or output tile (wdot's fix-up)
 
 
+def _stationary_split(bw: int, kw: int, m: int, n: int) -> int | None:
+    """Slices of ``K`` for an x-stationary slice of ``bw`` words: ``None`` where the slice is twice ``K`` or more, or
+    its partials would not fit the workspace."""
+    split = cdiv(kw, bw)
+    if bw >= 2 * kw or (split > 1 and m * split * n > STATIONARY_WORKSPACE):
+        return None
+    return split
+
+
 def stationary_candidates(fmt: int, m: int, n: int, kw: int, group: int, device: torch.device) -> list[WordConfig]:
     """x-stationary configs ([Note: x-stationary GEMV]): INT8, plain 2:4 (``K`` a multiple of 32), or INT4 and
     2:4 + INT4 with groups of a power-of-two number of words."""
@@ -296,11 +305,9 @@ def stationary_candidates(fmt: int, m: int, n: int, kw: int, group: int, device:
     out = []
     for units, bn, warps in STATIONARY_TILES:
         bw = units * wg
-        if bw >= 2 * kw or (fmt == FMT_S24W4 and bn * bw > 128 * warps):
+        split = _stationary_split(bw, kw, m, n)
+        if split is None or (fmt == FMT_S24W4 and bn * bw > 128 * warps):
             continue  # 2:4 + INT4 keeps 16 columns of x per word: at most 4 words per thread fit the registers
-        split = cdiv(kw, bw)
-        if split > 1 and m * split * n > STATIONARY_WORKSPACE:
-            continue
         rb = 1  # the most row blocks per program that still leave ~4 programs per SM, and twice that (how many
         while rb < 32 and m * split * cdiv(n, bn * rb * 2) >= 4 * sms:  # fit at once depends on registers:
             rb *= 2  # the tuner sees which wave shape is faster)
@@ -309,16 +316,16 @@ def stationary_candidates(fmt: int, m: int, n: int, kw: int, group: int, device:
             out.append(WordConfig(1, bn, bw, split, warps, prefetch=2, row_blocks=rb))
     if fmt == FMT_W8:
         for bw, bn, warps in W8_DEEP_TILES:
-            split = cdiv(kw, bw)
-            if bw >= 2 * kw or (split > 1 and m * split * n > STATIONARY_WORKSPACE):
+            split = _stationary_split(bw, kw, m, n)
+            if split is None:
                 continue
             out += [WordConfig(1, bn, bw, split, warps, row_blocks=rb) for rb in W8_DEEP_RUNS
                     if m * split * cdiv(n, bn * rb) >= sms]
     if fmt == FMT_W4 and tma_available() and kw % wg == 0 and (kw * 4) % 16 == 0 and (wg * 4) % 16 == 0:
         for units, bn, warps in TMA_TILES:
             bw = units * wg
-            split = cdiv(kw, bw)
-            if bw >= 2 * kw or (split > 1 and m * split * n > STATIONARY_WORKSPACE):
+            split = _stationary_split(bw, kw, m, n)
+            if split is None:
                 continue
             out += [WordConfig(1, bn, bw, split, warps, stages=st, row_blocks=rb, tma=True)
                     for rb in TMA_RUNS if m * split * cdiv(n, bn * rb) >= sms for st in TMA_STAGES]

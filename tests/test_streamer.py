@@ -250,7 +250,7 @@ def test_steady_state_acquires_find_their_unit_loaded(model, cyclic):
     """Decode-like passes: after the first, every acquire finds its unit loaded (cyclic prefetch). The loader is a
     thread: on a busy 2-core machine it can miss its 5 ms now and then (a CI run once saw one wait in 3 passes), so
     the cyclic case gets up to three tries of 3 passes and must have one without any wait; without wrap-around every
-    pass's first unit waits, in every try."""
+    pass's first unit waits (one try)."""
     with streamer_for(model, window=3, cyclic=cyclic) as streamer:
         for _ in streamer.run():
             time.sleep(0.005)  # compute: the loader has time to run ahead
