@@ -1,5 +1,5 @@
 """The GEMV kernels of the ``gemv`` path side by side at a few rows: tile, x-stationary, x-stationary + TMA, and for
-plain 2:4 the kernel on sparse tensor cores (mma).
+2:4 (plain and + INT4) the kernels on sparse tensor cores (mma: the GEMV up to 8 rows, the GEMM above).
 
     python benchmarks/gemv_check.py [--ms 1 4] [--shapes 8192x8192 8192x28672 28672x8192] [--formats w4 w8 s24]
                                     [--kinds tile stationary tma mma] [--json F]
@@ -74,11 +74,14 @@ def main() -> None:
                 stationary = _word.stationary_candidates(f, m, n, words.shape[1], group, x.device)
                 mma = f == _word.FMT_S24 and _sparse_mma.sparse_mma_fits(x, words, sp.meta)
                 mma_w4 = f == _word.FMT_S24W4 and _sparse_mma.sparse_mma_w4_fits(x, words, meta, s, z, group=group)
+                gemm = m > _sparse_mma.MAX_M and f in (_word.FMT_S24, _word.FMT_S24W4) and _sparse_mma.sparse_gemm_fits(
+                    x, words, sp.meta if f == _word.FMT_S24 else meta, w4=f == _word.FMT_S24W4, s=s, z=z, group=group)
                 kinds = {"tile": _word.gemv_candidates(f, m, n, words.shape[1], group, x.device),
                          "stationary": [c for c in stationary if not c.tma],
                          "tma": [c for c in stationary if c.tma],  # [Note: TMA weight stream]
                          "mma": _word.sparse_mma_candidates(m, n, k, x.device) if mma else
                          [c for c in _word.sparse_mma_candidates(m, n, k, x.device) if c.prefetch == 0] if mma_w4
+                         else _word.sparse_gemm_candidates(m, n, k, x.device, w4=f == _word.FMT_S24W4) if gemm
                          else []}
                 for kind, cands in kinds.items():
                     if not cands or kind not in args.kinds:

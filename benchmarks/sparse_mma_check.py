@@ -18,7 +18,7 @@ import torch
 
 from zspeed.compress.nm import compress_nm
 from zspeed.kernels import _word, sparse24_ref, sparse24_w4a16_ref
-from zspeed.kernels._sparse_mma import run_sparse_mma, run_sparse_mma_w4
+from zspeed.kernels._sparse_mma import run_sparse_gemm, run_sparse_gemm_w4, run_sparse_mma, run_sparse_mma_w4
 
 CASES = ((16, 64, 1, 2), (16, 64, 8, 2), (64, 256, 3, 4), (200, 96, 5, 2), (1000, 512, 1, 4), (1000, 8192, 2, 8),
          (1024, 4096, 1, 16), (2048, 8192, 7, 16))  # (N, K, M, tiles per slice)
@@ -38,15 +38,21 @@ def _pattern(n: int, k: int) -> torch.Tensor:
     return (w * torch.zeros_like(w).scatter_(-1, keep, 1.0)).view(n, k).to(torch.bfloat16)
 
 
+def _w4_case(n: int, k: int, m: int, group: int, zeros: bool):
+    """Random 2:4 + INT4 operands (scales powers of two) and the reference output: (x, codes, meta, scales, zero
+    points, reference)."""
+    meta = compress_nm(_pattern(n, k)).meta
+    codes = torch.randint(0, 256, (n, k // 4), device="cuda", dtype=torch.uint8)
+    scales = (2.0 ** torch.randint(-2, 2, (n, k // group), device="cuda")).to(torch.bfloat16)
+    z = torch.randint(0, 16, (n, k // group), device="cuda", dtype=torch.uint8) if zeros else None
+    x = torch.randint(-3, 4, (m, k), device="cuda").to(torch.bfloat16)
+    return x, codes, meta, scales, z, sparse24_w4a16_ref(x, codes, meta, scales, z, group).float()
+
+
 def check_w4(ws) -> int:
     bad = 0
     for n, k, m, kt, group, zeros in W4_CASES:
-        meta = compress_nm(_pattern(n, k)).meta
-        codes = torch.randint(0, 256, (n, k // 4), device="cuda", dtype=torch.uint8)
-        scales = (2.0 ** torch.randint(-2, 2, (n, k // group), device="cuda")).to(torch.bfloat16)
-        z = torch.randint(0, 16, (n, k // group), device="cuda", dtype=torch.uint8) if zeros else None
-        x = torch.randint(-3, 4, (m, k), device="cuda").to(torch.bfloat16)
-        ref = sparse24_w4a16_ref(x, codes, meta, scales, z, group).float()
+        x, codes, meta, scales, z, ref = _w4_case(n, k, m, group, zeros)
         for warps, rb, _ in CONFIGS:
             torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)  # freed: the output lands on it
             out = run_sparse_mma_w4(x, codes.view(torch.int32), meta.view(torch.int16), scales, z, n=n, group=group,
@@ -56,6 +62,44 @@ def check_w4(ws) -> int:
             print(f"2:4+INT4 g{group} zeros={zeros} N={n} K={k} M={m} tiles/slice={kt} warps={warps} row blocks={rb}: "
                   + ("exact" if ok else f"MISMATCH (max {(out - ref).abs().max().item()}, "
                                         f"{out.isnan().sum().item()} NaN)"), flush=True)
+    return bad
+
+
+GEMM_CASES = ((64, 256, 9, 2, 2, 1, 4, 1), (200, 1024, 16, 4, 2, 2, 4, 0), (1000, 1056, 23, 8, 4, 3, 4, 1),
+              (96, 512, 40, 2, 8, 1, 8, 1), (1000, 8192, 64, 4, 8, 4, 8, 1), (2048, 8192, 130, 4, 8, 2, 4, 0),
+              (1024, 4096, 33, 16, 2, 1, 4, 0))
+# (N, K, M, tiles per chunk, groups of 8 rows of x, slices, warps, next chunk's weights loaded first) of the 2:4 GEMM
+GEMM_W4_CASES = ((64, 256, 9, 2, 2, 1, 4, 128, True), (200, 1024, 16, 4, 2, 2, 4, 128, False),
+                 (1000, 3072, 23, 8, 4, 3, 4, 256, True), (96, 512, 40, 2, 8, 1, 8, 128, True),
+                 (1000, 8192, 64, 4, 8, 4, 8, 128, True), (2048, 8192, 130, 4, 8, 2, 4, 128, False))
+# (N, K, M, tiles per chunk, groups, slices, warps, group of original columns, zero points)
+
+
+def check_gemm(ws) -> int:
+    """The 2:4 GEMM (9 rows of x and more), plain and + INT4, bit for bit."""
+    bad = 0
+    for n, k, m, kt, groups, split, warps, depth in GEMM_CASES:
+        sp = compress_nm(_pattern(n, k))
+        x = torch.randint(-3, 4, (m, k), device="cuda").to(torch.bfloat16)
+        ref = sparse24_ref(x, sp.values, sp.meta).float()
+        torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)  # freed: the output lands on it
+        out = run_sparse_gemm(x, sp.values.view(torch.int32), sp.meta, n=n, tiles_per_chunk=kt, groups=groups,
+                              split=split, warps=warps, depth=depth, workspace=ws).float()
+        ok = torch.equal(out, ref)
+        bad += not ok
+        print(f"GEMM N={n} K={k} M={m} tiles/chunk={kt} groups={groups} slices={split} warps={warps} ahead={depth}: "
+              + ("exact" if ok else f"MISMATCH (max {(out - ref).abs().max().item()}, {out.isnan().sum().item()} NaN)"),
+              flush=True)
+    for n, k, m, kt, groups, split, warps, group, zeros in GEMM_W4_CASES:
+        x, codes, meta, scales, z, ref = _w4_case(n, k, m, group, zeros)
+        torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        out = run_sparse_gemm_w4(x, codes.view(torch.int32), meta.view(torch.int16), scales, z, n=n, group=group,
+                                 tiles_per_chunk=kt, groups=groups, split=split, warps=warps, workspace=ws).float()
+        ok = torch.equal(out, ref)
+        bad += not ok
+        print(f"GEMM 2:4+INT4 g{group} zeros={zeros} N={n} K={k} M={m} tiles/chunk={kt} groups={groups} slices={split} "
+              f"warps={warps}: " + ("exact" if ok else f"MISMATCH (max {(out - ref).abs().max().item()}, "
+                                                        f"{out.isnan().sum().item()} NaN)"), flush=True)
     return bad
 
 
@@ -77,6 +121,7 @@ def main() -> int:
                   + ("exact" if ok else f"MISMATCH (max {(out - ref).abs().max().item()}, "
                                         f"{out.isnan().sum().item()} NaN)"), flush=True)
     bad += check_w4(ws)
+    bad += check_gemm(ws)
     print("all exact" if not bad else f"{bad} mismatches")
     return 1 if bad else 0
 

@@ -123,11 +123,16 @@ def launch(name: str, fmt: int, x: torch.Tensor, w: torch.Tensor, s: torch.Tenso
             pipelined = pipelined_fits(x, s, group=group, k=k, int8=fmt == FMT_W8)
             fragment = pipelined and specialized_possible(x.device, group=group if fmt == FMT_W4 else 64, k=k)
         sparse_mma = False
-        if fmt in (FMT_S24, FMT_S24W4) and view is not None and 1 < x.shape[0] <= kernel_policy().sparse_gemv_max_m:
-            from ._sparse_mma import sparse_mma_fits, sparse_mma_w4_fits
+        policy = kernel_policy()
+        if fmt in (FMT_S24, FMT_S24W4) and view is not None \
+                and 1 < x.shape[0] <= max(policy.sparse_gemv_max_m, policy.sparse_gemm_max_m):
+            from ._sparse_mma import MAX_M, sparse_gemm_fits, sparse_mma_fits, sparse_mma_w4_fits
 
-            sparse_mma = sparse_mma_fits(x, view[0], view[1]) if fmt == FMT_S24 else \
-                sparse_mma_w4_fits(x, view[0], view[1], s, z, group=group)
+            if x.shape[0] > MAX_M:  # the 2:4 GEMM
+                sparse_mma = sparse_gemm_fits(x, view[0], view[1], w4=fmt == FMT_S24W4, s=s, z=z, group=group)
+            else:
+                sparse_mma = sparse_mma_fits(x, view[0], view[1]) if fmt == FMT_S24 else \
+                    sparse_mma_w4_fits(x, view[0], view[1], s, z, group=group)
         path = kernel_policy().path(name, x.shape[0], words=words, semi=semi, wdot=_word.wdot_fits(fmt, group),
                                     pipelined=pipelined, sparse_mma=sparse_mma, fragment=fragment)
     if path not in PATHS and path not in WORD_PATHS and path != "semi":

@@ -1,7 +1,8 @@
-"""Launcher of the 2:4 GEMV on sparse tensor cores ([Note: 2:4 GEMV on sparse tensor cores] in
-``_sparse_mma_kernels``).
+"""Launchers of the 2:4 GEMV and GEMM on sparse tensor cores ([Note: 2:4 GEMV on sparse tensor cores] in
+``_sparse_mma_kernels``, [Note: 2:4 GEMM on sparse tensor cores] in ``_sparse_gemm_kernels``).
 
-The ``gemv`` path tunes it beside the x-stationary and tile kernels for plain 2:4 where :func:`sparse_mma_fits`. It
+The ``gemv`` path tunes the GEMV where :func:`sparse_mma_fits` (1-8 rows of ``x``) and the GEMM alone from 9 rows
+where :func:`sparse_gemm_fits` (up to ``KernelPolicy.sparse_gemm_max_m``). Each
 runs only compiled on an sm_80+ GPU (the interpreter cannot run Gluon or ``mma.sp``), so CPU tests compile it for
 sm_90 and check the instructions, and GPU runs check its outputs against the reference
 (``benchmarks/gemv_check.py``, ``benchmarks/bench_kernels.py``).
@@ -119,5 +120,94 @@ def run_sparse_mma_w4(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, 
         x.view(torch.int32), codes.view(torch.int16), meta32, s, zz, parts, counters, out, m, n, tiles, split,
         x.stride(0) // 2, codes.stride(0) * 2, meta32.stride(0), s.stride(0), zz.stride(0), out.stride(0),
         GROUP=group, HAS_ZEROS=z is not None, KT=tiles_per_slice, ROW_BLOCKS=row_blocks, PARTIAL=split > 1,
+        FIX_K=fix_k, num_warps=warps)
+    return out
+
+
+MAX_GEMM_GROUPS = 8  # groups of 8 rows of x per program of the 2:4 GEMM ([Note: 2:4 GEMM on sparse tensor cores])
+
+
+@functools.cache
+def _gemm_kernels():
+    """The 2:4 GEMM kernel module, or ``None`` where this Triton has no Gluon."""
+    try:
+        from . import _sparse_gemm_kernels
+    except ImportError:
+        return None
+    return _sparse_gemm_kernels
+
+
+def sparse_gemm_fits(x: torch.Tensor, words: torch.Tensor, meta: torch.Tensor | None, *, w4: bool = False,
+                     s: torch.Tensor | None = None, z: torch.Tensor | None = None, group: int = 0) -> bool:
+    """The 2:4 GEMM (plain, or + INT4 with ``w4``) takes any number of rows of ``x``; otherwise what
+    :func:`sparse_mma_fits` / :func:`sparse_mma_w4_fits` ask of the operands."""
+    if x.dim() != 2 or x.shape[0] < 1 or _gemm_kernels() is None:
+        return False
+    one = x[:1]  # the operand checks of the GEMV, for one row (x's stride and pointer are the same)
+    if w4:
+        return s is not None and sparse_mma_w4_fits(one, words, meta, s, z, group=group)
+    return sparse_mma_fits(one, words, meta)
+
+
+def _gemm_setup(name: str, x: torch.Tensor, like: torch.Tensor, *, n: int, tiles_per_chunk: int, groups: int,
+                split: int, warps: int, workspace):
+    """``(grid, tiles, split, chunks, runs, out, partials, counters, fix_k)`` of a 2:4 GEMM launch, checked first:
+    ``split`` slices of whole chunks of ``tiles_per_chunk`` tiles (fewer where that covers ``K``)."""
+    m, k = x.shape
+    tiles = k // TILE_K
+    if tiles_per_chunk % 2 or tiles_per_chunk < 2 or groups not in (1, 2, 4, 8) or warps not in (1, 2, 4, 8) \
+            or split < 1:
+        raise ValueError(f"{name}: tiles_per_chunk must be even, groups and warps 1, 2, 4 or 8, split >= 1; got "
+                         f"{tiles_per_chunk}, {groups}, {warps}, {split}")
+    chunks = cdiv(cdiv(tiles, split), tiles_per_chunk)
+    split = cdiv(tiles, chunks * tiles_per_chunk)
+    runs = cdiv(n, 16 * warps)
+    m_groups = cdiv(m, 8 * groups)
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if split > 1:
+        if workspace is None:
+            raise ValueError(f"{name}: more than one slice of K needs the fix-up workspace (partials, counters)")
+        parts, counters = workspace
+        if m * split * n > parts.numel() or m_groups * runs > counters.numel():
+            raise ValueError(f"{name}: {m} rows x {split} slices x {n} partials (or {m_groups * runs} counters) do "
+                             f"not fit the workspace")
+    else:
+        parts, counters = out, like
+    return ((m_groups, runs, split), tiles, split, chunks, runs, out, parts, counters,
+            max(1, min(16, 4096 // (16 * warps))))
+
+
+def run_sparse_gemm(x: torch.Tensor, words: torch.Tensor, meta: torch.Tensor, *, n: int, tiles_per_chunk: int,
+                    groups: int, split: int, warps: int, depth: int = 1,
+                    workspace: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """``x @ densify(values, meta)^T`` in bf16 on the 2:4 GEMM ([Note: 2:4 GEMM on sparse tensor cores]; operands
+    as :func:`run_sparse_mma`): programs of ``groups`` groups of 8 rows of ``x`` and ``16 * warps`` weight rows,
+    ``K`` in ``split`` slices walked ``tiles_per_chunk`` tiles at a time, ``depth`` 1 loading the next chunk's
+    weights before this one's MMAs (0: after)."""
+    if depth not in (0, 1):
+        raise ValueError(f"run_sparse_gemm: depth must be 0 or 1, got {depth}")
+    grid, tiles, split, chunks, runs, out, parts, counters, fix_k = _gemm_setup(
+        "run_sparse_gemm", x, words, n=n, tiles_per_chunk=tiles_per_chunk, groups=groups, split=split, warps=warps,
+        workspace=workspace)
+    _gemm_kernels().sparse_gemm_kernel[grid](
+        x.view(torch.int32), words, meta.view(torch.int32), parts, counters, out, x.shape[0], n, tiles, split,
+        chunks, runs, x.stride(0) // 2, words.stride(0), meta.stride(0) // 4, out.stride(0),
+        KT=tiles_per_chunk, NT=groups, DEPTH=depth, PARTIAL=split > 1, FIX_K=fix_k, num_warps=warps)
+    return out
+
+
+def run_sparse_gemm_w4(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, s: torch.Tensor,
+                       z: torch.Tensor | None, *, n: int, group: int, tiles_per_chunk: int, groups: int, split: int,
+                       warps: int, workspace: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """2:4 + INT4 on the 2:4 GEMM (operands as :func:`run_sparse_mma_w4`, the rest as :func:`run_sparse_gemm`)."""
+    grid, tiles, split, chunks, runs, out, parts, counters, fix_k = _gemm_setup(
+        "run_sparse_gemm_w4", x, codes, n=n, tiles_per_chunk=tiles_per_chunk, groups=groups, split=split,
+        warps=warps, workspace=workspace)
+    zz = z if z is not None else s
+    meta32 = meta.view(torch.int32)
+    _gemm_kernels().sparse_gemm_w4_kernel[grid](
+        x.view(torch.int32), codes.view(torch.int16), meta32, s, zz, parts, counters, out, x.shape[0], n, tiles,
+        split, chunks, runs, x.stride(0) // 2, codes.stride(0) * 2, meta32.stride(0), s.stride(0), zz.stride(0),
+        out.stride(0), GROUP=group, HAS_ZEROS=z is not None, KT=tiles_per_chunk, NT=groups, PARTIAL=split > 1,
         FIX_K=fix_k, num_warps=warps)
     return out

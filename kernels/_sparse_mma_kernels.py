@@ -245,7 +245,7 @@ def sparse_mma_kernel(x_ptr, w_ptr, meta_ptr, part_ptr, count_ptr, out_ptr, M, N
         row = rows + o_row
         _store_sums(acc, out_ptr, part_ptr, row, o_m, o_live & (row < N), N, SPLIT, pid_k, stride_om, PARTIAL)
     if PARTIAL:
-        finish_run(part_ptr, count_ptr, out_ptr, pid_r, row0, M, N, SPLIT, stride_om, ROWS * ROW_BLOCKS, FIX_K,
+        finish_run(part_ptr, count_ptr, out_ptr, pid_r, row0, 0, M, N, SPLIT, stride_om, ROWS * ROW_BLOCKS, FIX_K,
                    num_warps)
 
 
@@ -259,21 +259,21 @@ def _store_sums(acc, out_ptr, part_ptr, row, o_m, mask, N, SPLIT, pid_k, stride_
 
 
 @gluon.jit
-def finish_run(part_ptr, count_ptr, out_ptr, pid_r, row0, M, N, SPLIT, stride_om, RUN: gl.constexpr,
+def finish_run(part_ptr, count_ptr, out_ptr, run_index, row0, M0, M, N, SPLIT, stride_om, RUN: gl.constexpr,
                FIX_K: gl.constexpr, num_warps: gl.constexpr):
-    """After a program stored its partials (``(M, SPLIT, N)`` fp32) for rows ``row0 .. row0 + RUN - 1``: count it
-    done on the run's counter; the run's last slice sums the partials in slice order into the output and resets the
-    counter ([Note: split-K fix-up] in ``_word``). Two batches of ``FIX_K`` slices are in flight before either is
-    added."""
+    """After a program stored its partials (``(rows of x, SPLIT, N)`` fp32) for weight rows ``row0 .. row0 + RUN -
+    1`` and rows ``M0 .. M - 1`` of ``x``: count it done on the run's counter (``run_index``); the run's last slice
+    sums the partials in slice order into the output and resets the counter ([Note: split-K fix-up] in ``_word``).
+    Two batches of ``FIX_K`` slices are in flight before either is added."""
     _cta_barrier()
-    counter = count_ptr + pid_r
+    counter = count_ptr + run_index
     done = gl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
     if done == SPLIT - 1:
         fix_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[1, 32],
                                                warps_per_cta=[1, num_warps], order=[1, 0])
         run = row0 + gl.arange(0, RUN, layout=gl.SliceLayout(0, fix_l))[None, :]
         kc = gl.arange(0, FIX_K, layout=gl.SliceLayout(1, fix_l))[:, None]
-        for m in range(M):
+        for m in range(M0, M):
             total = gl.zeros([RUN], gl.float32, gl.SliceLayout(0, fix_l))
             for k0 in range(0, SPLIT, 2 * FIX_K):
                 s0 = k0 + kc
@@ -366,5 +366,5 @@ def sparse_mma_w4_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, count_p
         _store_sums(acc1, out_ptr, part_ptr, row + 8, o_m, o_live & (row + 8 < N), N, SPLIT, pid_k, stride_om,
                     PARTIAL)
     if PARTIAL:
-        finish_run(part_ptr, count_ptr, out_ptr, pid_r, row0, M, N, SPLIT, stride_om, ROWS * ROW_BLOCKS, FIX_K,
+        finish_run(part_ptr, count_ptr, out_ptr, pid_r, row0, 0, M, N, SPLIT, stride_om, ROWS * ROW_BLOCKS, FIX_K,
                    num_warps)

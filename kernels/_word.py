@@ -655,13 +655,59 @@ def sparse_mma_candidates(m: int, n: int, k: int, device: torch.device) -> list[
     return out
 
 
+SPARSE_GEMM_TILES = {2: ((8, 4, 1), (8, 4, 0), (16, 4, 0), (8, 8, 1), (16, 8, 0)),
+                     4: ((4, 4, 1), (8, 4, 1), (8, 4, 0), (4, 8, 1), (8, 8, 0)),
+                     8: ((4, 4, 1), (4, 4, 0), (4, 8, 1), (2, 8, 1))}
+# groups of 8 rows of x per program -> (32-column tiles per chunk, warps, next chunk's weights loaded before the
+# MMAs) of the 2:4 GEMM on sparse tensor cores; more tiles per chunk spill registers at these group counts (sm_90
+# SASS, tests/test_kernels_sparse_mma.py)
+
+
+def sparse_gemm_candidates(m: int, n: int, k: int, device: torch.device, *, w4: bool = False) -> list[WordConfig]:
+    """Configs of the 2:4 GEMM ([Note: 2:4 GEMM on sparse tensor cores]) for ``m`` rows of ``x`` (more than 8): the
+    fewest groups of 8 rows per program that cover ``m`` (at most 8), each chunk depth and warp count with the one
+    or two slice counts that first give a wave of programs; slices whose partials do not fit the workspace are left
+    out. 2:4 + INT4 has no choice of prefetch (it loads the next chunk after the MMAs)."""
+    from ._sparse_mma import MAX_GEMM_GROUPS
+
+    groups = min(MAX_GEMM_GROUPS, 1 << max(0, (cdiv(m, 8) - 1).bit_length()))
+    m_groups = cdiv(m, 8 * groups)
+    tiles = k // 32
+    sms = _sm_count(device.index or 0)
+    out = []
+    for kt, warps, depth in SPARSE_GEMM_TILES[max(2, groups)]:
+        depth = 0 if w4 else depth
+        progs = m_groups * cdiv(n, 16 * warps)
+        if progs > WORKSPACE_COUNTERS:
+            continue
+        splits = [sp for sp in (1, 2, 4, 8, 16, 32) if sp * kt <= max(kt, tiles)
+                  and (sp == 1 or m * sp * n <= STATIONARY_WORKSPACE)]
+        first = next((i for i, sp in enumerate(splits) if progs * sp >= sms), len(splits) - 1)
+        for sp in splits[first:first + 2]:
+            c = WordConfig(8 * groups, 16 * warps, 8 * kt, sp, warps, prefetch=depth, sparse_mma=True)
+            if c not in out:
+                out.append(c)
+    return out
+
+
 def run_sparse_mma(x, words, meta, c: WordConfig, *, n: int, s=None, z=None, group: int = 0) -> torch.Tensor | None:
-    """The 2:4 GEMV on sparse tensor cores with config ``c`` (2:4 + INT4 where ``s``, the scales, are given); ``None``
-    where its workspace cannot be made now or is too small for these rows (as :func:`run_stationary`)."""
-    from ._sparse_mma import run_sparse_mma as run, run_sparse_mma_w4
+    """The 2:4 GEMV on sparse tensor cores with config ``c`` (2:4 + INT4 where ``s``, the scales, are given), or the
+    2:4 GEMM where ``c.block_m`` > 1 (:func:`sparse_gemm_candidates`); ``None`` where its workspace cannot be made now
+    or is too small for these rows (as :func:`run_stationary`)."""
+    from ._sparse_mma import run_sparse_gemm, run_sparse_gemm_w4, run_sparse_mma as run, run_sparse_mma_w4
 
     m = x.shape[0]
     ws = None
+    if c.block_m > 1:
+        if c.split_k > 1:
+            ws = _stationary_workspace(x.device)
+            if ws is None or not _workspace_fits(m * c.split_k * n, cdiv(m, c.block_m) * cdiv(n, c.block_n)):
+                return None
+        if s is not None:
+            return run_sparse_gemm_w4(x, words, meta, s, z, n=n, group=group, tiles_per_chunk=c.block_w // 8,
+                                      groups=c.block_m // 8, split=c.split_k, warps=c.warps, workspace=ws)
+        return run_sparse_gemm(x, words, meta, n=n, tiles_per_chunk=c.block_w // 8, groups=c.block_m // 8,
+                               split=c.split_k, warps=c.warps, depth=c.prefetch, workspace=ws)
     if c.split_k > 1:
         ws = _stationary_workspace(x.device)
         if ws is None or not _workspace_fits(m * c.split_k * n, cdiv(n, c.block_n * c.row_blocks)):
@@ -760,6 +806,12 @@ def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
     stationary = stationary_candidates(fmt, m, n, kw, group, x.device)
     if fmt == FMT_S24 and meta_words(meta) is None:
         stationary = []  # metadata the x-stationary kernel cannot read as int32 words
+    if fmt in (FMT_S24, FMT_S24W4) and m > 8:
+        from ._sparse_mma import sparse_gemm_fits
+
+        w4 = fmt == FMT_S24W4
+        if sparse_gemm_fits(x, words, meta, w4=w4, s=s, z=z, group=group):  # the 2:4 GEMM: only its configs
+            return launch(_pick(key, sparse_gemm_candidates(m, n, k, x.device, w4=w4), launch))
     if fmt == FMT_S24:
         from ._sparse_mma import sparse_mma_fits
 

@@ -24,7 +24,11 @@ kernel too ([Note: INT8 fragments]) and has the same crossover (kernels run 126,
 dequantize + cuBLAS's 0.82-0.85x at 2048 rows, 0.87-0.97x against 0.89-1.03x at 4096). 2:4, plain
 or + INT4, with bf16 ``x`` keeps ``gemv`` up to ``sparse_gemv_max_m`` rows where its GEMV on sparse
 tensor cores runs ([Note: 2:4 GEMV on sparse tensor cores] in ``_sparse_mma_kernels``): the rows of
-``x`` are that MMA's 8 columns, so 1 to 8 rows read the weights once.
+``x`` are that MMA's 8 columns, so 1 to 8 rows read the weights once. From 9 rows up to
+``sparse_gemm_max_m`` the ``gemv`` path runs the 2:4 GEMM on sparse tensor cores instead ([Note: 2:4
+GEMM on sparse tensor cores] in ``_sparse_gemm_kernels``; H100, kernels run 141: 1.07-1.30x of bf16 at
+16 rows and 0.77-1.11x at 32, where split-K gave 0.72-0.89x and 0.50-0.57x); at 64 rows it lost
+to split-K (0.48-0.70x against 0.67-0.79x), so 33 rows and up keep split-K.
 Shapes the word kernels cannot read, and the 2:4 formats above ``gemv_max_m``, use
 the generic skeleton: split-K keeps the GPU full when the output has few tiles. At
 medium ``M`` a tiled GEMM still saves bytes. At large ``M`` the matmul is compute-bound
@@ -57,6 +61,7 @@ class KernelPolicy:
     pipelined_dense_min_m: int = 1024  # INT4 / INT8 where the pipelined kernel runs ([Note: crossover])
     fragment_dense_min_m: int = 3072  # INT4 / INT8 where the register-operand kernel runs ([Note: crossover])
     sparse_gemv_max_m: int = 8  # 2:4 (plain, + INT4) keeps gemv up to here where it runs on sparse tensor cores
+    sparse_gemm_max_m: int = 32  # and from there up to here on the 2:4 GEMM on sparse tensor cores
     force: str | None = None
 
     def __post_init__(self) -> None:
@@ -72,7 +77,8 @@ class KernelPolicy:
         ``_word.words_fit_groups``); ``semi``: whether plain 2:4 can run on sparse tensor cores
         (``semi.semi_supported``); ``wdot``: whether the tensor-core word kernel has a tile for the groups;
         ``pipelined``: whether INT4 / INT8 can take the pipelined kernel (``_pipelined.pipelined_fits``);
-        ``sparse_mma``: whether 2:4 (plain or + INT4) can take the GEMV on sparse tensor cores (``_sparse_mma``);
+        ``sparse_mma``: whether 2:4 (plain or + INT4) can take the GEMV (up to 8 rows) or the GEMM (more) on sparse
+        tensor cores (``_sparse_mma``);
         ``fragment``: whether INT4 / INT8 can also take the register-operand kernel
         (``_pipelined.specialized_possible``)."""
         forced = self.force or os.environ.get("ZSPEED_KERNEL_PATH") or None
@@ -82,7 +88,8 @@ class KernelPolicy:
             return forced
         if words and m <= self.gemv_max_m:
             return "gemv"
-        if words and sparse_mma and fmt in ("sparse24", "sparse24_w4a16") and m <= self.sparse_gemv_max_m:
+        if words and sparse_mma and fmt in ("sparse24", "sparse24_w4a16") \
+                and m <= max(self.sparse_gemv_max_m, self.sparse_gemm_max_m):
             return "gemv"
         if semi and fmt == "sparse24" and m >= self.semi_min_m:
             return "semi"

@@ -1,9 +1,11 @@
-"""The 2:4 GEMV on sparse tensor cores ([Note: 2:4 GEMV on sparse tensor cores] in kernels/_sparse_mma_kernels.py), a
-Gluon kernel around inline ``mma.sp`` that the CPU interpreter cannot run. Here: when it is offered and chosen, that
-bad arguments are refused, and that it compiles for sm_90 into what it exists for: one sparse MMA per 32-column
-tile, the two selectors of a shared metadata register, weight words read in 8-byte pairs, nothing spilled. Its values
-are checked on the GPU, bit for bit on integer data (``benchmarks/sparse_mma_check.py``) and against the reference
-at full size (``benchmarks/gemv_check.py --formats s24 --kinds mma``; benchmarks/RESULTS.md, kernels runs 66-69)."""
+"""The 2:4 GEMV and GEMM on sparse tensor cores ([Note: 2:4 GEMV on sparse tensor cores] in
+kernels/_sparse_mma_kernels.py, [Note: 2:4 GEMM on sparse tensor cores] in kernels/_sparse_gemm_kernels.py), Gluon
+kernels around inline ``mma.sp`` that the CPU interpreter cannot run. Here: when they are offered and chosen, that
+bad arguments are refused, and that they compile for sm_90 into what they exist for: one sparse MMA per 32-column
+tile (and group of 8 rows of x), the two selectors of a shared metadata register, weight words read in 8-byte pairs,
+x read from shared memory in whole fragments, nothing spilled. Their values are checked on the GPU, bit for bit on
+integer data (``benchmarks/sparse_mma_check.py``) and against the reference at full size (``benchmarks/gemv_check.py
+--formats s24 s24w4 --kinds mma``; benchmarks/RESULTS.md, kernels runs 66-69 and 141-142)."""
 from __future__ import annotations
 
 import json
@@ -69,31 +71,43 @@ def test_fits_2_4_int4_with_groups_of_64_columns_and_int16_metadata(monkeypatch)
                                               group=128)
 
 
-def test_policy_keeps_2_4_on_gemv_up_to_8_rows_only_where_it_runs():
+def test_policy_keeps_2_4_on_gemv_up_to_32_rows_only_where_it_runs():
     policy = KernelPolicy()
     for m in (2, 4, 8):
         assert policy.path("sparse24", m, sparse_mma=True) == "gemv"
         assert policy.path("sparse24_w4a16", m, sparse_mma=True) == "gemv"
         assert policy.path("sparse24", m, sparse_mma=False) == "splitk"
         assert policy.path("w4a16", m, sparse_mma=True) == "wdot"  # other formats: unchanged
-    assert policy.path("sparse24", 9, sparse_mma=True) == "splitk"
+    for m in (9, 16, 32):  # the 2:4 GEMM
+        assert policy.path("sparse24", m, sparse_mma=True) == "gemv"
+        assert policy.path("sparse24_w4a16", m, sparse_mma=True) == "gemv"
+    assert policy.path("sparse24", 33, sparse_mma=True) == "splitk"  # it lost to split-K at 64 rows (kernels run 141)
     assert policy.path("sparse24", 4, words=False, sparse_mma=True) == "splitk"
-    assert KernelPolicy(sparse_gemv_max_m=1).path("sparse24", 4, sparse_mma=True) == "splitk"
+    assert KernelPolicy(sparse_gemv_max_m=1, sparse_gemm_max_m=1).path("sparse24", 4, sparse_mma=True) == "splitk"
+    assert KernelPolicy(sparse_gemm_max_m=8).path("sparse24", 9, sparse_mma=True) == "splitk"
 
 
-def test_gemv_tunes_plain_2_4_on_sparse_tensor_cores_alone_and_2_4_int4_beside_the_others(monkeypatch):
+class Picked(Exception):
+    """Raised by the tuner stand-in of :func:`offered` once it has the candidates."""
+
+
+@pytest.fixture
+def offered(monkeypatch) -> list:
+    """The candidate lists that ``_word.run_gemv`` hands its tuner (which raises :class:`Picked`), on a stand-in
+    H100 where the sparse tensor-core kernels run."""
     monkeypatch.setattr(_word, "_sm_count", lambda index: 132)
     monkeypatch.setattr(_sparse_mma, "sparse_mma_possible", lambda device: True)
-    offered = []
-
-    class Picked(Exception):
-        pass
+    lists = []
 
     def pick(key, candidates, launch):
-        offered.append(candidates)
+        lists.append(candidates)
         raise Picked
 
     monkeypatch.setattr(_word, "_pick", pick)
+    return lists
+
+
+def test_gemv_tunes_plain_2_4_on_sparse_tensor_cores_alone_and_2_4_int4_beside_the_others(offered):
     x = torch.zeros(1, 256, dtype=torch.bfloat16)
     meta = torch.zeros(64, 32, dtype=torch.uint8)
     values = torch.zeros(64, 128, dtype=torch.bfloat16)
@@ -109,6 +123,78 @@ def test_gemv_tunes_plain_2_4_on_sparse_tensor_cores_alone_and_2_4_int4_beside_t
     kinds = {c.sparse_mma for c in offered[-1]}
     assert kinds == {True, False}  # at one row the x-stationary kernel won (kernels run 77): it stays a candidate
     assert all(c.prefetch == 0 for c in offered[-1] if c.sparse_mma)
+
+
+def test_gemm_candidates_cover_the_rows_in_groups_of_8_and_fit_the_workspace(monkeypatch):
+    monkeypatch.setattr(_word, "_sm_count", lambda index: 132)
+    gpu = torch.device("cuda", 0)
+    for m, n, k in ((9, 8192, 8192), (16, 28672, 8192), (32, 8192, 28672), (64, 8192, 8192), (130, 1000, 1056)):
+        for w4 in (False, True):
+            got = _word.sparse_gemm_candidates(m, n, k, gpu, w4=w4)
+            groups = min(8, 1 << (-(-m // 8) - 1).bit_length())
+            assert got and all(c.sparse_mma and c.block_m == 8 * groups and c.block_n == 16 * c.warps for c in got)
+            assert len(set(got)) == len(got)
+            for c in got:
+                tiles = c.block_w // 8
+                assert (tiles, c.warps, c.prefetch) in _word.SPARSE_GEMM_TILES[max(2, groups)] or w4
+                assert tiles % 2 == 0 and (not w4 or c.prefetch == 0)
+                assert c.split_k == 1 or m * c.split_k * n <= _word.STATIONARY_WORKSPACE
+                assert -(-m // c.block_m) * -(-n // c.block_n) <= _word.WORKSPACE_COUNTERS
+    # the slice counts start at the first that gives a wave of programs
+    got = _word.sparse_gemm_candidates(16, 8192, 8192, gpu)
+    assert min(c.split_k * -(-8192 // c.block_n) for c in got) >= 132
+
+
+def test_gemm_fits_any_rows_with_the_gemv_operands(monkeypatch):
+    words = torch.zeros(64, 64, dtype=torch.int32)
+    meta = torch.zeros(64, 32, dtype=torch.uint8)
+    x = torch.zeros(40, 256, dtype=torch.bfloat16)
+    assert not _sparse_mma.sparse_gemm_fits(x, words, meta)  # the CPU
+    monkeypatch.setattr(_sparse_mma, "sparse_mma_possible", lambda device: True)
+    assert _sparse_mma.sparse_gemm_fits(x, words, meta) and _sparse_mma.sparse_gemm_fits(x[:9], words, meta)
+    assert not _sparse_mma.sparse_gemm_fits(x.half(), words, meta)
+    assert not _sparse_mma.sparse_gemm_fits(x, words, None)
+    codes = torch.zeros(64, 16, dtype=torch.int32)
+    meta16 = torch.zeros(64, 16, dtype=torch.int16)
+    s = torch.ones(64, 2, dtype=torch.bfloat16)
+    assert _sparse_mma.sparse_gemm_fits(x, codes, meta16, w4=True, s=s, group=128)
+    assert not _sparse_mma.sparse_gemm_fits(x, codes, meta16, w4=True, s=None, group=128)  # no scales
+    assert not _sparse_mma.sparse_gemm_fits(x, codes, meta16, w4=True, s=s, group=32)
+
+
+def test_gemv_path_tunes_the_2_4_gemm_alone_from_9_rows(offered):
+    meta = torch.zeros(64, 32, dtype=torch.uint8)
+    values = torch.zeros(64, 128, dtype=torch.bfloat16)
+    words, m = _word.word_view(_word.FMT_S24, values, meta, 256)
+    for rows in (9, 24):
+        with pytest.raises(Picked):
+            _word.run_gemv(torch.zeros(rows, 256, dtype=torch.bfloat16), words, values, None, m, fmt=_word.FMT_S24,
+                           group=1, n=64, k=256)
+        assert offered[-1] and all(c.sparse_mma and c.block_m >= 16 for c in offered[-1])
+    codes = torch.zeros(64, 64, dtype=torch.uint8)
+    words, m = _word.word_view(_word.FMT_S24W4, codes, meta, 256)
+    with pytest.raises(Picked):
+        _word.run_gemv(torch.zeros(12, 256, dtype=torch.bfloat16), words, torch.ones(64, 2, dtype=torch.bfloat16),
+                       None, m, fmt=_word.FMT_S24W4, group=128, n=64, k=256)
+    assert offered[-1] and all(c.sparse_mma and c.block_m == 16 and c.prefetch == 0 for c in offered[-1])
+
+
+def test_bad_gemm_arguments_are_refused_before_launch():
+    x = torch.zeros(16, 256, dtype=torch.bfloat16)
+    words = torch.zeros(64, 64, dtype=torch.int32)
+    meta = torch.zeros(64, 32, dtype=torch.uint8)
+    ws = (torch.zeros(16 * 2 * 64), torch.zeros(8, dtype=torch.int32))
+    args = dict(n=64, tiles_per_chunk=2, groups=2, split=1, warps=4, workspace=None)
+    with pytest.raises(ValueError, match="even"):
+        _sparse_mma.run_sparse_gemm(x, words, meta, **{**args, "tiles_per_chunk": 3})
+    with pytest.raises(ValueError, match="groups"):
+        _sparse_mma.run_sparse_gemm(x, words, meta, **{**args, "groups": 3})
+    with pytest.raises(ValueError, match="depth"):
+        _sparse_mma.run_sparse_gemm(x, words, meta, **args, depth=2)
+    with pytest.raises(ValueError, match="workspace"):
+        _sparse_mma.run_sparse_gemm(x, words, meta, **{**args, "split": 2})
+    with pytest.raises(ValueError, match="do not fit"):  # 16 rows x 4 slices x 64 partials: twice the buffer
+        _sparse_mma.run_sparse_gemm(x, words, meta, **{**args, "split": 4, "workspace": ws})
 
 
 def test_bad_arguments_are_refused_before_launch():
@@ -129,17 +215,17 @@ import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import mangle_type
 from triton.experimental.gluon._runtime import GluonASTSource
-from zspeed.kernels import _sparse_mma_kernels as S
+from zspeed.kernels import _sparse_gemm_kernels, _sparse_mma_kernels
 
 kernel_name, const = sys.argv[1], json.loads(sys.argv[2])
-fn = getattr(S, kernel_name)
-w4 = kernel_name == "sparse_mma_w4_kernel"  # 2:4 + INT4: codes read as int16, scales and zero points
+fn = getattr(_sparse_gemm_kernels if kernel_name.startswith("sparse_gemm") else _sparse_mma_kernels, kernel_name)
+w4 = kernel_name.endswith("w4_kernel")  # 2:4 + INT4: codes read as int16, scales and zero points
 n, k = 8192, 8192
 values = dict(x_ptr=torch.empty(1, dtype=torch.int32), w_ptr=torch.empty(1, dtype=torch.int16 if w4 else torch.int32),
               meta_ptr=torch.empty(1, dtype=torch.int32), s_ptr=torch.empty(1, dtype=torch.bfloat16),
               z_ptr=torch.empty(1, dtype=torch.uint8), part_ptr=torch.empty(1, dtype=torch.float32),
               count_ptr=torch.empty(1, dtype=torch.int32), out_ptr=torch.empty(1, dtype=torch.bfloat16),
-              M=1, N=n, TILES=k // 32, SPLIT=4, stride_xm=k // 2, stride_wn=k // 8 if w4 else k // 4,
+              M=1, N=n, TILES=k // 32, SPLIT=4, CHUNKS=8, RUNS=n // 64, stride_xm=k // 2, stride_wn=k // 8 if w4 else k // 4,
               stride_mn=k // 32, stride_sn=k // 128, stride_zn=k // 128, stride_om=n)
 names = [a for a in fn.arg_names if a not in const]
 sig = {a: mangle_type(values[a]) for a in names}
@@ -164,7 +250,7 @@ print(json.dumps({"ops": ops, "stack": int(re.search(r"STACK:(\d+)", res).group(
 def _compiled(tmp_path: Path, kernel: str, **const) -> dict:
     if _sparse_mma._kernels() is None:
         pytest.skip("this triton has no Gluon")
-    const = {"ROW_BLOCKS": 4, "PARTIAL": True, "FIX_K": 4, **const}
+    const = {"PARTIAL": True, "FIX_K": 4, **({} if kernel.startswith("sparse_gemm") else {"ROW_BLOCKS": 4}), **const}
     return run_compile_script(_COMPILE, [kernel, json.dumps(const), str(tmp_path / f"{kernel}.cubin")], tmp_path)
 
 
@@ -192,3 +278,23 @@ def test_compiles_for_hopper_to_one_sparse_mma_per_tile(tmp_path, kt, warps, dep
     loads = [op for op, _ in got["ops"] if op.startswith("LDG")]
     # the value words: two 8-byte loads per tile (rows g and g + 8) for each block loaded (prologue + loop)
     assert loads.count("LDG.E.64") == 2 * kt * (depth + 1)
+
+
+@pytest.mark.parametrize("kernel,kt,groups,warps,depth", [("sparse_gemm_kernel", 4, 8, 4, 1),
+                                                          ("sparse_gemm_kernel", 8, 4, 4, 1),
+                                                          ("sparse_gemm_w4_kernel", 8, 4, 4, 0)])
+def test_gemm_compiles_for_hopper_to_one_sparse_mma_per_tile_and_group(tmp_path, kernel, kt, groups, warps, depth):
+    """The largest chunks that ``_word.SPARSE_GEMM_TILES`` offers at 64 and 32 rows: every group of 8 rows of x takes
+    one ``mma.sp`` per tile of the chunk, with its ``B`` registers read from shared memory in 16-byte (plain) or
+    8-byte (2:4 + INT4: one register of a pair of tiles) loads, and nothing spills."""
+    w4 = "w4" in kernel
+    const = dict(KT=kt, NT=groups, num_warps=warps, **({"GROUP": 128, "HAS_ZEROS": True} if w4 else {"DEPTH": depth}))
+    got = _compiled(tmp_path, kernel, **const)
+    mmas = [rest for op, rest in got["ops"] if op.startswith("HMMA.SP.16832.F32.BF16")]
+    assert len(mmas) == groups * kt
+    selectors = [re.search(r"(0x[01])\s*$", rest.strip()).group(1) for rest in mmas]
+    assert selectors.count("0x0") == selectors.count("0x1") == groups * kt // 2
+    ops = [op for op, _ in got["ops"]]
+    assert ops.count("LDS.64" if w4 else "LDS.128") == groups * kt * (2 if w4 else 1)
+    assert got["stack"] == 0 and got["local"] == 0 and got["regs"] <= 255
+    assert not any(op.startswith(("LDL", "STL")) for op in ops)
