@@ -81,7 +81,7 @@ def main() -> None:
                          "tma": [c for c in stationary if c.tma],  # [Note: TMA weight stream]
                          "mma": _word.sparse_mma_candidates(m, n, k, x.device) if mma else
                          [c for c in _word.sparse_mma_candidates(m, n, k, x.device) if c.prefetch == 0] if mma_w4
-                         else _word.sparse_gemm_candidates(m, n, k, x.device, w4=f == _word.FMT_S24W4) if gemm
+                         else _word.sparse_gemm_candidates(m, n, k, x.device) if gemm
                          else []}
                 for kind, cands in kinds.items():
                     if not cands or kind not in args.kinds:

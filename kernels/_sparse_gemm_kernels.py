@@ -5,20 +5,25 @@ Triton that has Gluon (``_sparse_mma.sparse_mma_possible``).
 
 [Note: 2:4 GEMM on sparse tensor cores] The 2:4 GEMV ([Note: 2:4 GEMV on sparse tensor cores] in
 ``_sparse_mma_kernels``) puts up to 8 rows of ``x`` on the ``N`` side of ``mma.sp.m16n8k32`` and keeps its slice of
-``x`` in registers. Past 8 rows the 2:4 formats fell back to the generic split-K Triton path (0.7-0.9x of bf16 at 16
-to 64 rows, H100, kernels runs 124-126), though their weight bytes still dominate there. This kernel keeps the
-GEMV's weight side (16 weight rows per warp on the MMA's ``M`` side, the stored values and positions handed to the
-instruction as they are, [Note: block order]) and changes the ``x`` side:
+``x`` in registers. Past 8 rows the 2:4 formats fell back to the generic split-K Triton path (0.5-0.9x of bf16 at 16
+to 64 rows, H100, kernels run 124), though their weight bytes still dominate there. This kernel, for plain 2:4 and 2:4
++ INT4 alike, keeps the GEMV's weight side (16 weight rows per warp on the MMA's ``M`` side, the stored values and
+positions handed to the instruction as they are, [Note: block order]) and changes the rest:
 
 - a program owns one block of ``16 * num_warps`` weight rows, ``NT`` groups of 8 rows of ``x`` (one ``mma.sp`` per
-  group and 32-column tile) and a slice of ``K`` that it walks in chunks of ``KT`` tiles, summing in registers; so
-  at 64 rows a program reads its weights once and needs few slices (split-K partials of 64 rows cost 4 bytes per
-  row each, against 1.25 bytes per weight per weight row);
-- each chunk of ``x`` (``8 * NT`` rows x ``32 * KT`` columns) is staged in shared memory in fragment order: for
-  every group, pair of tiles and tile, the 32 lanes' four ``B`` registers lie side by side, so a warp reads 512
-  contiguous bytes per ``(group, pair, tile)`` (16-byte loads, no bank conflicts) and every warp reads the same
-  chunk; two buffers, one barrier per chunk;
-- the next chunk's weights (``DEPTH`` 1) and ``x`` are loaded into registers while this chunk multiplies.
+  group and 32-column tile) and a slice of ``K`` that it walks in chunks of ``KT`` tiles; so at 64 rows a program
+  reads its weights once and needs few slices (split-K partials of 64 rows cost 4 bytes per row each, against 1.25
+  bytes per weight per weight row);
+- a group's MMAs over a chunk run in one inline-asm call, chained through the accumulator: its running sums go in as
+  the first MMA's ``C`` and come out of the last (:func:`_chain_asm`; the other slots of the pack are neither
+  written nor read), so the loop has no FADD;
+- each chunk of ``x`` (``8 * NT`` rows x ``32 * KT`` columns) is read in natural order, 16 bytes a load, renamed into
+  fragment order in registers and staged in shared memory that way: for every group, pair of tiles and tile, the
+  32 lanes' four ``B`` registers lie side by side, so a warp reads 512 contiguous bytes per ``(group, pair, tile)``
+  (16-byte loads, no bank conflicts) and every warp reads the same chunk; two buffers, one barrier per chunk;
+- 2:4 + INT4 turns each code byte into its bf16 weight once per chunk, before the groups' MMAs: ``code - zero``
+  (exact) times the scale, rounded once, which is the weight the reference makes (so its scales must be bf16);
+- the next chunk's ``x`` and (``DEPTH`` 1) weights are loaded into registers while this chunk multiplies.
 
 Groups past ``M`` read zero rows of ``x`` (their sums are not stored); tiles past ``K`` and rows past ``N`` as in
 the GEMV. Slices meet as there ([Note: split-K fix-up] in ``_word``): each (group of ``x`` rows, block of weight rows)
@@ -26,21 +31,71 @@ has its own counter, and its last slice sums the partials of its rows of ``x``. 
 several groups of programs on the grid's first axis, so the programs that share a block of weights run together and
 all but the first read it from L2.
 
-Measured on an H100 (benchmarks/RESULTS.md, kernels runs 141 and 143): at 16 rows 1.05-1.24x of bf16 for plain 2:4
-and 1.13-1.31x for 2:4 + INT4, at 32 rows 0.77-1.12x and 0.78-0.93x, where split-K ran 0.73-0.86x and 0.50-0.57x. From
-64 rows it loses to split-K (0.49-0.70x): its time grows with the rows, since each warp reads every group's ``B``
-from shared memory for its own 16 weight rows, sums the pairs' MMAs with FADDs and gathers its share of ``x`` in
-4-byte loads (422 instructions a warp for a chunk of 32 ``mma.sp``, 212 registers, 8 warps an SM). So the policy
-(``KernelPolicy.sparse_gemm_max_m``) sends it 9 to 32 rows.
+Measured on an H100 (benchmarks/RESULTS.md, kernels runs 141-146; bf16 in the same process): at 16 rows 1.10-1.41x
+of bf16 for plain 2:4 and 1.09-1.29x for 2:4 + INT4, at 32 rows 0.86-1.35x and 0.85-1.04x, where split-K ran
+0.73-0.86x and 0.50-0.57x. The first version (sums by FADD, ``x`` gathered 4 bytes at a time, INT4 dequantized once
+per group) took 422 instructions a warp for a chunk of 32 ``mma.sp`` and 212 registers; this one 304 and 160 (INT4:
+491 and 167, from 759 and 238). From 64 rows it still loses to split-K on two shapes of three (0.53-0.90x against
+0.68-0.79x): each warp reads every group's ``B`` from shared memory for its own 16 weight rows, so the instructions
+per weight byte grow with the rows. So the policy (``KernelPolicy.sparse_gemm_max_m``) sends it 9 to 32 rows.
 """
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ._sparse_mma_kernels import (_ASM_IO, _ASM_PAIR, _ASM_W4_IO, _ASM_W4_PAIR, _along3, _along4, _cta_barrier,
-                                  _meta_index,
-                                  _meta_regs, _store_sums, finish_run)
+from ._sparse_mma_kernels import (_MMA, _along4, _cta_barrier, _meta_index, _meta_regs, _store_sums, finish_run,
+                                  w4_codes)
+
+
+def _chain_asm(kt: int) -> tuple[str, str]:
+    """One group's ``mma.sp`` over a whole chunk of ``kt`` tiles, chained through the accumulator: the pack is the
+    chunk's ``4 kt`` fragment slots (pair ``p``, tile ``h`` of the pair, register ``r`` at ``8p + 4h + r``), outputs
+    ``$0``-``$3`` the group's new sums (the other outputs are left unwritten and unread), then ``A``, ``B``, the
+    metadata (slot ``8p`` of each pair) and the group's sums so far (slots 0-3). Outputs are early-clobber: they are
+    written before the last inputs are read."""
+    n = 4 * kt
+    a, b, e, c = n, 2 * n, 3 * n, 4 * n
+    lines = ["{"]
+    acc = f"${c}, ${c + 1}, ${c + 2}, ${c + 3}"
+    for tile in range(kt):
+        p, h = divmod(tile, 2)
+        i = 8 * p + 4 * h
+        lines.append(f"{_MMA} {{$0, $1, $2, $3}}, {{${a + i}, ${a + i + 2}, ${a + i + 1}, ${a + i + 3}}}, "
+                     f"{{${b + i}, ${b + i + 1}, ${b + i + 2}, ${b + i + 3}}}, {{{acc}}}, ${e + 8 * p}, 0x{h};")
+        acc = "$0, $1, $2, $3"
+    lines.append("}")
+    return "\n".join(lines), ",".join(["=&f"] * n + ["r"] * (3 * n) + ["f"] * n)
+
+
+_CHAIN_2 = gl.constexpr(_chain_asm(2)[0])
+_CHAIN_4 = gl.constexpr(_chain_asm(4)[0])
+_CHAIN_8 = gl.constexpr(_chain_asm(8)[0])
+_CHAIN_16 = gl.constexpr(_chain_asm(16)[0])
+_CHAIN_IO_2 = gl.constexpr(_chain_asm(2)[1])
+_CHAIN_IO_4 = gl.constexpr(_chain_asm(4)[1])
+_CHAIN_IO_8 = gl.constexpr(_chain_asm(8)[1])
+_CHAIN_IO_16 = gl.constexpr(_chain_asm(16)[1])
+
+
+@gluon.jit
+def _first(a, b):
+    """A reduction's combine that keeps its first operand: reads one slot of a pack, in no instruction."""
+    return a
+
+
+@gluon.jit
+def _chain(a, b, e, c, KT: gl.constexpr):
+    """:func:`_chain_asm` for ``KT`` tiles; all operands of ``a``'s shape, its chunk the pack."""
+    if KT == 2:
+        return gl.inline_asm_elementwise(_CHAIN_2, _CHAIN_IO_2, [a, b, e, c], dtype=gl.float32, is_pure=True, pack=8)
+    elif KT == 4:
+        return gl.inline_asm_elementwise(_CHAIN_4, _CHAIN_IO_4, [a, b, e, c], dtype=gl.float32, is_pure=True, pack=16)
+    elif KT == 8:
+        return gl.inline_asm_elementwise(_CHAIN_8, _CHAIN_IO_8, [a, b, e, c], dtype=gl.float32, is_pure=True, pack=32)
+    else:
+        return gl.inline_asm_elementwise(_CHAIN_16, _CHAIN_IO_16, [a, b, e, c], dtype=gl.float32, is_pure=True,
+                                         pack=64)
 
 
 @gluon.jit
@@ -72,57 +127,127 @@ def _program(NT: gl.constexpr, ROWS: gl.constexpr):
 
 
 @gluon.jit
-def _x_chunk(x_ptr, M, TILES, stride_xm, m0, tile0, q, lane, pair, half, r):
-    """``x`` in fragment order, for broadcastable index tensors: group ``q``, lane ``4g + t``, pair of tiles ``pair``,
-    tile ``2 pair + half`` from ``tile0``, ``B`` register ``r``: row ``m0 + 8q + g`` of ``x``, the stored columns of
-    logical block ``t // 2 + 2r`` ([Note: block order] in ``_sparse_mma_kernels``), as int32 pairs."""
+def _along7(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
+    """``arange(n)`` along ``dim`` of a 7-D tensor in ``layout``, built up from :func:`_along5`."""
+    L6: gl.constexpr = gl.SliceLayout(6, layout)
+    if dim == 6:
+        v = _along5(n, 4, gl.SliceLayout(0, gl.SliceLayout(0, layout)))
+        return gl.expand_dims(gl.expand_dims(v, 0), 0)
+    elif dim == 5:
+        return gl.expand_dims(gl.expand_dims(_along5(n, 4, gl.SliceLayout(0, L6)), 0), 6)
+    else:
+        return gl.expand_dims(gl.expand_dims(_along5(n, dim, gl.SliceLayout(5, L6)), 5), 6)
+
+
+@gluon.jit
+def _natural_x(x_ptr, M, TILES, stride_xm, m0, tile0, KT: gl.constexpr, NT: gl.constexpr, LN: gl.constexpr):
+    """One chunk of ``x`` read in natural order, 16 bytes a load, as ``(group, g, pair, tile of the pair, r % 2,
+    t // 2, 4 int32)``: a tile's 16 int32 columns are ``8 (r % 2) + 4 (t // 2) + 2 (r // 2) + t % 2`` for lane ``4g +
+    t``'s ``B`` register ``r`` ([Note: block order] in ``_sparse_mma_kernels``); then, in registers, the last axis
+    split as ``(r // 2, t % 2)`` and the axes renamed into fragment order: ``(group, lane, pair, tile, r // 2,
+    r % 2)``."""
+    q = _along7(NT, 0, LN)
+    g = _along7(8, 1, LN)
+    tile = tile0 + 2 * _along7(KT // 2, 2, LN) + _along7(2, 3, LN)
+    col = tile * 16 + 8 * _along7(2, 4, LN) + 4 * _along7(2, 5, LN) + _along7(4, 6, LN)
+    row = m0 + 8 * q + g
+    v = gl.load(x_ptr + row * stride_xm + col, mask=(row < M) & (tile < TILES), other=0)
+    v = gl.reshape(v, (NT, 8, KT // 2, 2, 2, 2, 2, 2))
+    # (q, g, u = t // 2, t % 2, pair, tile, r // 2, r % 2): lane 4g + 2u + t % 2
+    return gl.reshape(gl.permute(v, (0, 1, 5, 7, 2, 3, 6, 4)), (NT, 32, KT // 2, 2, 2, 2))
+
+
+@gluon.jit
+def _stage_x(x_ptr, M, TILES, stride_xm, m0, tile0, KT: gl.constexpr, NT: gl.constexpr, LN: gl.constexpr):
+    """One chunk of ``x`` as ``(NT, 32, KT / 2, 2, 4)``: group, lane, pair, tile of the pair, register."""
+    return gl.reshape(_natural_x(x_ptr, M, TILES, stride_xm, m0, tile0, KT, NT, LN), (NT, 32, KT // 2, 2, 4))
+
+
+def _dequant_asm() -> str:
+    """2:4 + INT4 kept values into ``A`` registers, once per chunk: ``$4`` a tile's codes (rows ``g`` in the low 16
+    bits, ``g + 8`` in the high; byte ``r`` is register ``r``'s block), ``$8``-``$11`` ``-(128 + zero)`` and
+    ``$12``-``$15`` the scale, both in both bf16 halves, of register ``r``'s row. Byte ``r`` becomes the bf16 pair
+    ``(128 + code, 128 + code')`` (a byte permute, a multiply by ``0x1001``, a LOP3 into ``0x4300``), then ``code -
+    zero`` (exact) and that times the scale, rounded once: the bf16 weight that the reference makes."""
+    lines = ["{", ".reg .b32 y, zr, one, mz;", "mov.b32 zr, 0;", "mov.b32 one, 0x3F803F80;", "mov.b32 mz, 0x80008000;"]
+    for r in range(4):
+        lines += [f"prmt.b32 y, $4, zr, 0x444{r};", "mul.lo.u32 y, y, 0x1001;",
+                  "lop3.b32 y, y, 0x000F000F, 0x43004300, 0xEA;", f"fma.rn.bf16x2 y, y, one, ${8 + r};",
+                  f"fma.rn.bf16x2 ${r}, y, ${12 + r}, mz;"]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_DEQUANT = gl.constexpr(_dequant_asm())
+_DEQUANT_IO = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 12))
+
+
+@gluon.jit
+def _weights(w_ptr, meta_ptr, s_ptr, z_ptr, N, TILES, stride_wn, stride_mn, stride_sn, stride_zn, row0, chunk, more,
+             warp, lane, pair, half, r, KT: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr,
+             W4: gl.constexpr, num_warps: gl.constexpr, A5: gl.constexpr):
+    """The ``A`` registers (``(warp, lane, pair, tile, register)`` int32, bf16 pairs) and metadata registers of chunk
+    ``chunk`` (nothing read where ``more`` is false). Register ``r`` of lane ``4g + t`` is row ``g + 8 (r // 2)``,
+    stored block ``2t + r % 2`` of its tile: plain 2:4 reads it as stored (8-byte pairs); 2:4 + INT4 reads a tile's
+    four codes bytes of both rows as one int32 and dequantizes them here."""
+    M3: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, A5))  # one value per pair of tiles
     g = lane // 4
     t = lane % 4
-    tile = tile0 + 2 * pair + half
-    blk = t // 2 + 2 * r
-    row = m0 + 8 * q + g
-    col = tile * 16 + 2 * (2 * (blk % 4) + blk // 4) + t % 2
-    return gl.load(x_ptr + row * stride_xm + col, mask=(row < M) & (tile < TILES), other=0)
+    tile = chunk * KT + 2 * pair + half
+    row = row0 + 16 * warp + g + 8 * (r // 2)
+    live = (tile < TILES) & more
+    if W4:
+        T4: gl.constexpr = gl.SliceLayout(4, A5)
+        tq = chunk * KT + 2 * _along4(KT // 2, 2, T4) + _along4(2, 3, T4)  # one value per tile
+        lane4 = _along4(32, 1, T4)
+        rg = row0 + 16 * _along4(num_warps, 0, T4) + lane4 // 4  # row g
+        lq = (tq < TILES) & more
+        codes, z0, z1 = w4_codes(w_ptr, z_ptr, rg, tq * 4 + lane4 % 4, tq * 32 // GROUP, lq, N, stride_wn, stride_zn,
+                                 HAS_ZEROS)
+        # the pair's scales (both tiles in one group: GROUP a multiple of 64), rows g and g + 8, as bf16 bits
+        m_row, m_tile, m_live, m_shift = _meta_index(chunk, TILES, KT, num_warps, M3)
+        sp = m_tile - m_tile % 2
+        sr = row0 + m_row
+        s_live = (sp < TILES) & more
+        s0 = gl.load(s_ptr + sr * stride_sn + sp * 32 // GROUP, mask=(sr < N) & s_live, other=0.0)
+        s1 = gl.load(s_ptr + (sr + 8) * stride_sn + sp * 32 // GROUP, mask=(sr + 8 < N) & s_live, other=0.0)
+        s0 = s0.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+        s1 = s1.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+        low = r < 2  # registers 0-1: row g; 2-3: row g + 8 (the selects fold: the register axis is in-thread)
+        nz = gl.where(low, gl.expand_dims((z0 | 0xC300) * 0x10001, 4), gl.expand_dims((z1 | 0xC300) * 0x10001, 4))
+        s2 = gl.where(low, gl.expand_dims(gl.expand_dims(s0 | (s0 << 16), 3), 4),
+                      gl.expand_dims(gl.expand_dims(s1 | (s1 << 16), 3), 4))
+        c5 = gl.expand_dims(codes, 4)
+        c5, nz = gl.broadcast(c5, nz)
+        a = gl.inline_asm_elementwise(_DEQUANT, _DEQUANT_IO, [c5, nz, gl.broadcast(s2, nz)[0]], dtype=gl.int32,
+                                      is_pure=True, pack=4)
+    else:
+        a = gl.load(w_ptr + row * stride_wn + tile * 8 + 2 * t + r % 2, mask=(row < N) & live, other=0)
+    m_row, m_tile, m_live, m_shift = _meta_index(chunk, TILES, KT, num_warps, M3)
+    return a, _meta_regs(meta_ptr, row0, m_row, m_tile, m_live & more, m_shift, N, stride_mn)
 
 
 @gluon.jit
-def _stage_x(x_ptr, M, TILES, stride_xm, m0, tile0, KT: gl.constexpr, NT: gl.constexpr, LS: gl.constexpr):
-    """One chunk of ``x`` as ``(NT, 32, KT / 2, 2, 4)``: group, lane, pair, tile of the pair, register."""
-    return _x_chunk(x_ptr, M, TILES, stride_xm, m0, tile0, _along5(NT, 0, LS), _along5(32, 1, LS),
-                    _along5(KT // 2, 2, LS), _along5(2, 3, LS), _along5(4, 4, LS))
-
-
-@gluon.jit
-def _stage_x_w4(x_ptr, M, TILES, stride_xm, m0, tile0, KT: gl.constexpr, NT: gl.constexpr, LS: gl.constexpr):
-    """One chunk of ``x`` as four planes, one per ``B`` register (as the 2:4 + INT4 kernel takes them), each
-    ``(NT, 32, KT / 2, 2)``: group, lane, pair, tile of the pair."""
-    q = _along4(NT, 0, LS)
-    lane = _along4(32, 1, LS)
-    pair = _along4(KT // 2, 2, LS)
-    half = _along4(2, 3, LS)
-    return (_x_chunk(x_ptr, M, TILES, stride_xm, m0, tile0, q, lane, pair, half, 0),
-            _x_chunk(x_ptr, M, TILES, stride_xm, m0, tile0, q, lane, pair, half, 1),
-            _x_chunk(x_ptr, M, TILES, stride_xm, m0, tile0, q, lane, pair, half, 2),
-            _x_chunk(x_ptr, M, TILES, stride_xm, m0, tile0, q, lane, pair, half, 3))
-
-
-@gluon.jit
-def sparse_gemm_kernel(x_ptr, w_ptr, meta_ptr, part_ptr, count_ptr, out_ptr, M, N, TILES, SPLIT, CHUNKS, RUNS,
-                       stride_xm, stride_wn, stride_mn, stride_om, KT: gl.constexpr, NT: gl.constexpr,
-                       DEPTH: gl.constexpr, PARTIAL: gl.constexpr, FIX_K: gl.constexpr, num_warps: gl.constexpr):
+def sparse_gemm_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_ptr, M, N, TILES, SPLIT, CHUNKS,
+                       RUNS, stride_xm, stride_wn, stride_mn, stride_sn, stride_zn, stride_om, KT: gl.constexpr,
+                       NT: gl.constexpr, DEPTH: gl.constexpr, W4: gl.constexpr, GROUP: gl.constexpr,
+                       HAS_ZEROS: gl.constexpr, PARTIAL: gl.constexpr, FIX_K: gl.constexpr, num_warps: gl.constexpr):
     """``out[M, N] = x @ densify(values, meta)^T`` for up to ``8 * NT`` rows of ``x`` per program ([Note: 2:4 GEMM
-    on sparse tensor cores]); operands as ``sparse_mma_kernel``. Grid ``(groups of 8 * NT rows of x, RUNS blocks of
-    16 * num_warps weight rows, SPLIT slices)``; a slice is ``CHUNKS`` chunks of ``KT`` tiles (even)."""
+    on sparse tensor cores]). Plain 2:4 (``W4`` false): operands as ``sparse_mma_kernel``. 2:4 + INT4: ``w_ptr`` the
+    kept values' codes ``(N, K / 4)`` uint8 read as int16 (two blocks each), ``s_ptr`` bf16 scales and ``z_ptr``
+    uint8 zero points (``HAS_ZEROS`` false: 8) per row and group of ``GROUP`` original columns (a multiple of 32).
+    Grid ``(groups of 8 * NT rows of x, RUNS blocks of 16 * num_warps weight rows, SPLIT slices)``; a slice is
+    ``CHUNKS`` chunks of ``KT`` tiles (even); ``DEPTH`` 1 loads the next chunk's weights before this one's MMAs."""
     # axes: warp, lane, group of x rows, pair of tiles, tile of the pair, register
     L6: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, NT, KT // 2, 2, 4], threads_per_warp=[1, 32, 1, 1, 1, 1],
                                         warps_per_cta=[num_warps, 1, 1, 1, 1, 1], order=[5, 4, 3, 2, 1, 0])
-    A5: gl.constexpr = gl.SliceLayout(2, L6)  # one group's operands: A, B, the pair sums
-    M3: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, A5))  # one value per pair of tiles: the metadata
+    A5: gl.constexpr = gl.SliceLayout(2, L6)  # one group's operands: A, B, the chained MMAs' slots
     O4: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(3, L6))  # the sums: (warp, lane, group, register)
-    # staging: (group, lane, pair, tile of the pair, register), the warps over the groups, then the pairs
+    # staging, x in natural order: (group, g, pair, tile of the pair, r % 2, t // 2, 4 int32), 16 bytes a thread,
+    # a warp's lanes over 4 rows x 128 bytes, the warps over the groups, then the pairs
     WQ: gl.constexpr = NT if NT < num_warps else num_warps
-    LS: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 2, 4], threads_per_warp=[1, 32, 1, 1, 1],
-                                        warps_per_cta=[WQ, 1, num_warps // WQ, 1, 1], order=[4, 3, 2, 1, 0])
+    LS: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 1, 1, 1, 4], threads_per_warp=[1, 4, 1, 2, 2, 2, 1],
+                                        warps_per_cta=[WQ, 1, num_warps // WQ, 1, 1, 1, 1], order=[6, 5, 4, 3, 2, 1, 0])
     # fragment order in shared memory: register, lane, tile of the pair, pair, group (the buffer outermost)
     SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [4, 1, 3, 2, 0])
     ROWS: gl.constexpr = 16 * num_warps
@@ -130,23 +255,16 @@ def sparse_gemm_kernel(x_ptr, w_ptr, meta_ptr, part_ptr, count_ptr, out_ptr, M, 
 
     warp = _along5(num_warps, 0, A5)
     lane = _along5(32, 1, A5)
-    g = lane // 4
-    t = lane % 4
     pair = _along5(KT // 2, 2, A5)
     half = _along5(2, 3, A5)
     r = _along5(4, 4, A5)
-    a_row = row0 + 16 * warp + g + 8 * (r // 2)
-    a_rmask = a_row < N
-    a_ptrs = w_ptr + a_row * stride_wn + 2 * t + r % 2
 
     xs = gl.allocate_shared_memory(gl.int32, [2, NT, 32, KT // 2, 2, 4], SL)
     chunk0 = pid_k * CHUNKS
     tile0 = chunk0 * KT
     xr = _stage_x(x_ptr, M, TILES, stride_xm, m0, tile0, KT, NT, LS)
-    tile = tile0 + 2 * pair + half
-    a = gl.load(a_ptrs + tile * 8, mask=a_rmask & (tile < TILES), other=0)
-    m_row, m_tile, m_live, m_shift = _meta_index(chunk0, TILES, KT, num_warps, M3)
-    e = _meta_regs(meta_ptr, row0, m_row, m_tile, m_live, m_shift, N, stride_mn)
+    a, e = _weights(w_ptr, meta_ptr, s_ptr, z_ptr, N, TILES, stride_wn, stride_mn, stride_sn, stride_zn, row0,
+                    chunk0, CHUNKS > 0, warp, lane, pair, half, r, KT, GROUP, HAS_ZEROS, W4, num_warps, A5)
 
     acc = gl.zeros([num_warps, 32, NT, 4], gl.float32, O4)
     group = _along4(NT, 2, O4)
@@ -154,32 +272,30 @@ def sparse_gemm_kernel(x_ptr, w_ptr, meta_ptr, part_ptr, count_ptr, out_ptr, M, 
         buf = c % 2
         xs.index(buf).store(xr)
         _cta_barrier()  # the chunk staged; and every warp done with the buffer staged two chunks ago
-        nxt = tile0 + (c + 1) * KT
         if c + 1 < CHUNKS:  # the next chunk's x in flight while this one multiplies
-            xr = _stage_x(x_ptr, M, TILES, stride_xm, m0, nxt, KT, NT, LS)
+            xr = _stage_x(x_ptr, M, TILES, stride_xm, m0, tile0 + (c + 1) * KT, KT, NT, LS)
         if DEPTH == 1:
-            tile_n = nxt + 2 * pair + half
-            a_n = gl.load(a_ptrs + tile_n * 8, mask=a_rmask & (tile_n < TILES) & (c + 1 < CHUNKS), other=0)
-            mr, mt, ml, ms = _meta_index(chunk0 + c + 1, TILES, KT, num_warps, M3)
-            e_n = _meta_regs(meta_ptr, row0, mr, mt, ml & (c + 1 < CHUNKS), ms, N, stride_mn)
+            a_n, e_n = _weights(w_ptr, meta_ptr, s_ptr, z_ptr, N, TILES, stride_wn, stride_mn, stride_sn, stride_zn,
+                                row0, chunk0 + c + 1, c + 1 < CHUNKS, warp, lane, pair, half, r, KT, GROUP, HAS_ZEROS,
+                                W4, num_warps, A5)
         e5 = gl.broadcast(gl.expand_dims(gl.expand_dims(e, 3), 4), a)[0]
         xb = xs.index(buf)
         for q in gl.static_range(NT):
             b = xb.slice(q, 1).load(A5)  # (1, lane, pair, tile, register): the same in every warp
-            d = gl.inline_asm_elementwise(_ASM_PAIR, _ASM_IO, [a, gl.broadcast(b, a)[0], e5], dtype=gl.float32,
-                                          is_pure=True, pack=8)
-            sums, _ = gl.split(gl.permute(d, (0, 1, 2, 4, 3)))  # a pack's slots 0-3 (4-7 are zero)
-            # this group's sums over the pairs of tiles: (warp, lane, 1, register)
-            s = gl.expand_dims(gl.convert_layout(gl.sum(sums, axis=2), gl.SliceLayout(2, O4)), 2)
-            acc += gl.where(group == q, s, 0.0)
+            # this group's sums so far, in slots 0-3 of the chunk (the selects fold: the group axis is in-thread, and
+            # x + -0.0 is x)
+            c4 = gl.sum(gl.where(group == q, acc, -0.0), axis=2)
+            c5 = gl.expand_dims(gl.expand_dims(gl.convert_layout(c4, gl.SliceLayout(2, gl.SliceLayout(3, A5))), 2), 3)
+            d = _chain(a, gl.broadcast(b, a)[0], e5, gl.broadcast(c5, a)[0], KT)
+            new = gl.reduce(gl.reduce(d, 3, _first), 2, _first)  # slots 0-3: (warp, lane, register)
+            acc = gl.where(group == q, gl.expand_dims(gl.convert_layout(new, gl.SliceLayout(2, O4)), 2), acc)
         if DEPTH == 1:
             a = a_n
             e = e_n
         else:
-            tile_n = nxt + 2 * pair + half
-            a = gl.load(a_ptrs + tile_n * 8, mask=a_rmask & (tile_n < TILES) & (c + 1 < CHUNKS), other=0)
-            mr, mt, ml, ms = _meta_index(chunk0 + c + 1, TILES, KT, num_warps, M3)
-            e = _meta_regs(meta_ptr, row0, mr, mt, ml & (c + 1 < CHUNKS), ms, N, stride_mn)
+            a, e = _weights(w_ptr, meta_ptr, s_ptr, z_ptr, N, TILES, stride_wn, stride_mn, stride_sn, stride_zn,
+                            row0, chunk0 + c + 1, c + 1 < CHUNKS, warp, lane, pair, half, r, KT, GROUP, HAS_ZEROS, W4,
+                            num_warps, A5)
 
     # slot j of lane 4g + t, group q: weight row g + 8 (j // 2), row 8q + 2t + j % 2 of x
     lane_o = _along4(32, 1, O4)
@@ -188,124 +304,6 @@ def sparse_gemm_kernel(x_ptr, w_ptr, meta_ptr, part_ptr, count_ptr, out_ptr, M, 
     o_m = m0 + 8 * group + 2 * (lane_o % 4) + j_o % 2
     o_live = (o_m < M) & (o_row < N)
     _store_sums(acc, out_ptr, part_ptr, o_row, o_m, o_live, N, SPLIT, pid_k, stride_om, PARTIAL)
-    if PARTIAL:
-        finish_run(part_ptr, count_ptr, out_ptr, pid_m * RUNS + pid_r, row0, m0, gl.minimum(M, m0 + 8 * NT), N,
-                   SPLIT, stride_om, ROWS, FIX_K, num_warps)
-
-
-@gluon.jit
-def _w4_operands(w_ptr, meta_ptr, s_ptr, z_ptr, N, TILES, stride_wn, stride_mn, stride_sn, stride_zn, row0, base, more,
-                 ra, t, pair, half, m_row, m_tile, m_shift, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr):
-    """The weight side of the chunk from tile ``base`` (nothing read where ``more`` is false): codes of rows ``g``
-    (low half) and ``g + 8`` (high), metadata registers, ``-(128 + zero)`` of both rows and the pairs' scales."""
-    tile = base + 2 * pair + half
-    live = (tile < TILES) & more
-    lo_mask = (ra < N) & live
-    hi_mask = (ra + 8 < N) & live
-    lo = gl.load(w_ptr + ra * stride_wn + tile * 4 + t, mask=lo_mask, other=0).to(gl.int32) & 0xFFFF
-    hi = gl.load(w_ptr + (ra + 8) * stride_wn + tile * 4 + t, mask=hi_mask, other=0).to(gl.int32)
-    codes = lo | (hi << 16)
-    mt = m_tile + base
-    e = _meta_regs(meta_ptr, row0, m_row, mt, (mt < TILES) & more, m_shift, N, stride_mn)
-    e4 = gl.broadcast(gl.expand_dims(e, 3), codes)[0]
-    z_col = tile * 32 // GROUP
-    if HAS_ZEROS:
-        z0 = gl.load(z_ptr + ra * stride_zn + z_col, mask=lo_mask, other=0).to(gl.int32)
-        z1 = gl.load(z_ptr + (ra + 8) * stride_zn + z_col, mask=hi_mask, other=0).to(gl.int32)
-    else:
-        z0 = gl.zeros_like(codes) + 8
-        z1 = z0
-    sr = row0 + m_row
-    sp = mt - mt % 2  # the pair's first tile; both lie in one group (GROUP a multiple of 64)
-    s_col = sp * 32 // GROUP
-    s_live = (sp < TILES) & more
-    s0 = gl.load(s_ptr + sr * stride_sn + s_col, mask=(sr < N) & s_live, other=0.0).to(gl.float32)
-    s1 = gl.load(s_ptr + (sr + 8) * stride_sn + s_col, mask=(sr + 8 < N) & s_live, other=0.0).to(gl.float32)
-    return codes, e4, (z0 | 0xC300) * 0x10001, (z1 | 0xC300) * 0x10001, gl.expand_dims(s0, 3), gl.expand_dims(s1, 3)
-
-
-@gluon.jit
-def sparse_gemm_w4_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_ptr, M, N, TILES, SPLIT,
-                          CHUNKS, RUNS, stride_xm, stride_wn, stride_mn, stride_sn, stride_zn, stride_om,
-                          GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, KT: gl.constexpr, NT: gl.constexpr,
-                          PARTIAL: gl.constexpr, FIX_K: gl.constexpr, num_warps: gl.constexpr):
-    """2:4 + INT4 ``out[M, N] = x @ densify(dequant(codes), meta)^T`` for up to ``8 * NT`` rows of ``x`` per program
-    ([Note: 2:4 GEMM on sparse tensor cores]; the weight side as ``sparse_mma_w4_kernel``, [Note: 2:4 + INT4 on
-    sparse tensor cores]); grid and slices as :func:`sparse_gemm_kernel`; the next chunk's weight side is loaded
-    after this one's MMAs."""
-    # axes: warp, lane, group of x rows, pair of tiles, tile of the pair
-    L5: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, NT, KT // 2, 2], threads_per_warp=[1, 32, 1, 1, 1],
-                                        warps_per_cta=[num_warps, 1, 1, 1, 1], order=[4, 3, 2, 1, 0])
-    A4: gl.constexpr = gl.SliceLayout(2, L5)  # one group's operands: codes, B registers, zero points
-    M3: gl.constexpr = gl.SliceLayout(3, A4)  # one value per pair of tiles: metadata, scales
-    O4: gl.constexpr = gl.SliceLayout(3, L5)  # the sums: (warp, lane, group, row 2t + k of x)
-    WQ: gl.constexpr = NT if NT < num_warps else num_warps
-    LS: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, 2], threads_per_warp=[1, 32, 1, 1],
-                                        warps_per_cta=[WQ, 1, num_warps // WQ, 1], order=[3, 2, 1, 0])
-    # shared memory, one allocation per B register: tile of the pair, lane, pair, group (the buffer outermost)
-    SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 1, 2, 0])
-    ROWS: gl.constexpr = 16 * num_warps
-    pid_m, pid_r, pid_k, m0, row0 = _program(NT, ROWS)
-
-    warp = _along4(num_warps, 0, A4)
-    lane = _along4(32, 1, A4)
-    t = lane % 4
-    pair = _along4(KT // 2, 2, A4)
-    half = _along4(2, 3, A4)
-    ra = row0 + 16 * warp + lane // 4
-    m_row, m_tile, m_live, m_shift = _meta_index(0, TILES, KT, num_warps, M3)  # m_tile: tiles from the chunk's first
-
-    xs0 = gl.allocate_shared_memory(gl.int32, [2, NT, 32, KT // 2, 2], SL)
-    xs1 = gl.allocate_shared_memory(gl.int32, [2, NT, 32, KT // 2, 2], SL)
-    xs2 = gl.allocate_shared_memory(gl.int32, [2, NT, 32, KT // 2, 2], SL)
-    xs3 = gl.allocate_shared_memory(gl.int32, [2, NT, 32, KT // 2, 2], SL)
-    chunk0 = pid_k * CHUNKS
-    tile0 = chunk0 * KT
-    x0, x1, x2, x3 = _stage_x_w4(x_ptr, M, TILES, stride_xm, m0, tile0, KT, NT, LS)
-    codes, e4, nz0, nz1, s0, s1 = _w4_operands(w_ptr, meta_ptr, s_ptr, z_ptr, N, TILES, stride_wn, stride_mn,
-                                               stride_sn, stride_zn, row0, tile0, CHUNKS > 0, ra, t, pair, half,
-                                               m_row, m_tile, m_shift, GROUP, HAS_ZEROS)
-    acc0 = gl.zeros([num_warps, 32, NT, 2], gl.float32, O4)  # weight row g
-    acc1 = gl.zeros([num_warps, 32, NT, 2], gl.float32, O4)  # weight row g + 8
-    group = _along4(NT, 2, O4)
-    for c in range(CHUNKS):
-        buf = c % 2
-        xb0 = xs0.index(buf)
-        xb1 = xs1.index(buf)
-        xb2 = xs2.index(buf)
-        xb3 = xs3.index(buf)
-        xb0.store(x0)
-        xb1.store(x1)
-        xb2.store(x2)
-        xb3.store(x3)
-        _cta_barrier()  # the chunk staged; and every warp done with the buffer staged two chunks ago
-        nxt = tile0 + (c + 1) * KT
-        if c + 1 < CHUNKS:  # the next chunk's x in flight while this one multiplies
-            x0, x1, x2, x3 = _stage_x_w4(x_ptr, M, TILES, stride_xm, m0, nxt, KT, NT, LS)
-        for q in gl.static_range(NT):  # each B register: (1, lane, pair, tile), the same in every warp
-            b0 = gl.broadcast(xb0.slice(q, 1).load(A4), codes)[0]
-            b1 = gl.broadcast(xb1.slice(q, 1).load(A4), codes)[0]
-            b2 = gl.broadcast(xb2.slice(q, 1).load(A4), codes)[0]
-            b3 = gl.broadcast(xb3.slice(q, 1).load(A4), codes)[0]
-            d0, d1 = gl.inline_asm_elementwise(_ASM_W4_PAIR, _ASM_W4_IO, [codes, b0, b1, b2, b3, e4, nz0, nz1],
-                                               dtype=(gl.float32, gl.float32), is_pure=True, pack=2)
-            # this group's scaled sums over the pairs: (warp, lane, 1, row 2t + k of x)
-            p0 = gl.expand_dims(gl.convert_layout(gl.sum(d0 * s0, axis=2), gl.SliceLayout(2, O4)), 2)
-            p1 = gl.expand_dims(gl.convert_layout(gl.sum(d1 * s1, axis=2), gl.SliceLayout(2, O4)), 2)
-            acc0 += gl.where(group == q, p0, 0.0)
-            acc1 += gl.where(group == q, p1, 0.0)
-        codes, e4, nz0, nz1, s0, s1 = _w4_operands(w_ptr, meta_ptr, s_ptr, z_ptr, N, TILES, stride_wn, stride_mn,
-                                                   stride_sn, stride_zn, row0, nxt, c + 1 < CHUNKS, ra, t, pair, half,
-                                                   m_row, m_tile, m_shift, GROUP, HAS_ZEROS)
-
-    # slot k of lane 4g + t, group q: row 8q + 2t + k of x; acc0 weight row g, acc1 g + 8
-    lane_o = _along4(32, 1, O4)
-    o_row = row0 + 16 * _along4(num_warps, 0, O4) + lane_o // 4
-    o_m = m0 + 8 * group + 2 * (lane_o % 4) + _along4(2, 3, O4)
-    o_live = o_m < M
-    _store_sums(acc0, out_ptr, part_ptr, o_row, o_m, o_live & (o_row < N), N, SPLIT, pid_k, stride_om, PARTIAL)
-    _store_sums(acc1, out_ptr, part_ptr, o_row + 8, o_m, o_live & (o_row + 8 < N), N, SPLIT, pid_k, stride_om,
-                PARTIAL)
     if PARTIAL:
         finish_run(part_ptr, count_ptr, out_ptr, pid_m * RUNS + pid_r, row0, m0, gl.minimum(M, m0 + 8 * NT), N,
                    SPLIT, stride_om, ROWS, FIX_K, num_warps)

@@ -144,8 +144,8 @@ def sparse_gemm_fits(x: torch.Tensor, words: torch.Tensor, meta: torch.Tensor | 
     if x.dim() != 2 or x.shape[0] < 1 or _gemm_kernels() is None:
         return False
     one = x[:1]  # the operand checks of the GEMV, for one row (x's stride and pointer are the same)
-    if w4:
-        return s is not None and sparse_mma_w4_fits(one, words, meta, s, z, group=group)
+    if w4:  # the weights are made in bf16: bf16 scales
+        return s is not None and s.dtype == torch.bfloat16 and sparse_mma_w4_fits(one, words, meta, s, z, group=group)
     return sparse_mma_fits(one, words, meta)
 
 
@@ -184,30 +184,38 @@ def run_sparse_gemm(x: torch.Tensor, words: torch.Tensor, meta: torch.Tensor, *,
     as :func:`run_sparse_mma`): programs of ``groups`` groups of 8 rows of ``x`` and ``16 * warps`` weight rows,
     ``K`` in ``split`` slices walked ``tiles_per_chunk`` tiles at a time, ``depth`` 1 loading the next chunk's
     weights before this one's MMAs (0: after)."""
-    if depth not in (0, 1):
-        raise ValueError(f"run_sparse_gemm: depth must be 0 or 1, got {depth}")
-    grid, tiles, split, chunks, runs, out, parts, counters, fix_k = _gemm_setup(
-        "run_sparse_gemm", x, words, n=n, tiles_per_chunk=tiles_per_chunk, groups=groups, split=split, warps=warps,
-        workspace=workspace)
-    _gemm_kernels().sparse_gemm_kernel[grid](
-        x.view(torch.int32), words, meta.view(torch.int32), parts, counters, out, x.shape[0], n, tiles, split,
-        chunks, runs, x.stride(0) // 2, words.stride(0), meta.stride(0) // 4, out.stride(0),
-        KT=tiles_per_chunk, NT=groups, DEPTH=depth, PARTIAL=split > 1, FIX_K=fix_k, num_warps=warps)
-    return out
+    return _launch_gemm("run_sparse_gemm", x, words, meta.view(torch.int32), None, None, n=n, group=64,
+                        tiles_per_chunk=tiles_per_chunk, groups=groups, split=split, warps=warps, depth=depth,
+                        workspace=workspace)
 
 
 def run_sparse_gemm_w4(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, s: torch.Tensor,
                        z: torch.Tensor | None, *, n: int, group: int, tiles_per_chunk: int, groups: int, split: int,
-                       warps: int, workspace: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """2:4 + INT4 on the 2:4 GEMM (operands as :func:`run_sparse_mma_w4`, the rest as :func:`run_sparse_gemm`)."""
+                       warps: int, depth: int = 1, workspace: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """2:4 + INT4 on the 2:4 GEMM (operands as :func:`run_sparse_mma_w4`, bf16 scales; the rest as
+    :func:`run_sparse_gemm`): each chunk's kept values are dequantized once into bf16 weights, as the reference
+    makes them, before its MMAs."""
+    if s.dtype != torch.bfloat16:
+        raise ValueError(f"run_sparse_gemm_w4: the scales must be bf16 (the weights are made in bf16), got {s.dtype}")
+    return _launch_gemm("run_sparse_gemm_w4", x, codes.view(torch.int16), meta.view(torch.int32), s, z, n=n,
+                        group=group, tiles_per_chunk=tiles_per_chunk, groups=groups, split=split, warps=warps,
+                        depth=depth, workspace=workspace)
+
+
+def _launch_gemm(name: str, x: torch.Tensor, words: torch.Tensor, meta32: torch.Tensor, s: torch.Tensor | None,
+                 z: torch.Tensor | None, *, n: int, group: int, tiles_per_chunk: int, groups: int, split: int,
+                 warps: int, depth: int, workspace) -> torch.Tensor:
+    if depth not in (0, 1):
+        raise ValueError(f"{name}: depth must be 0 or 1, got {depth}")
     grid, tiles, split, chunks, runs, out, parts, counters, fix_k = _gemm_setup(
-        "run_sparse_gemm_w4", x, codes, n=n, tiles_per_chunk=tiles_per_chunk, groups=groups, split=split,
-        warps=warps, workspace=workspace)
-    zz = z if z is not None else s
-    meta32 = meta.view(torch.int32)
-    _gemm_kernels().sparse_gemm_w4_kernel[grid](
-        x.view(torch.int32), codes.view(torch.int16), meta32, s, zz, parts, counters, out, x.shape[0], n, tiles,
-        split, chunks, runs, x.stride(0) // 2, codes.stride(0) * 2, meta32.stride(0), s.stride(0), zz.stride(0),
-        out.stride(0), GROUP=group, HAS_ZEROS=z is not None, KT=tiles_per_chunk, NT=groups, PARTIAL=split > 1,
+        name, x, words, n=n, tiles_per_chunk=tiles_per_chunk, groups=groups, split=split, warps=warps,
+        workspace=workspace)
+    w4 = s is not None
+    ss = s if w4 else out
+    zz = z if z is not None else ss
+    _gemm_kernels().sparse_gemm_kernel[grid](
+        x.view(torch.int32), words, meta32, ss, zz, parts, counters, out, x.shape[0], n, tiles, split, chunks, runs,
+        x.stride(0) // 2, words.stride(0), meta32.stride(0), ss.stride(0), zz.stride(0), out.stride(0),
+        KT=tiles_per_chunk, NT=groups, DEPTH=depth, W4=w4, GROUP=group, HAS_ZEROS=z is not None, PARTIAL=split > 1,
         FIX_K=fix_k, num_warps=warps)
     return out

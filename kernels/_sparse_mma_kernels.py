@@ -290,6 +290,22 @@ def finish_run(part_ptr, count_ptr, out_ptr, run_index, row0, M0, M, N, SPLIT, s
 
 
 @gluon.jit
+def w4_codes(w_ptr, z_ptr, ra, col, z_col, live, N, stride_wn, stride_zn, HAS_ZEROS: gl.constexpr):
+    """2:4 + INT4: a tile's codes of rows ``ra`` (low 16 bits) and ``ra + 8`` (high) from the int16 at ``col``
+    (stored blocks ``2t`` and ``2t + 1``), and both rows' zero points at ``z_col`` (8 without zero points)."""
+    lo = gl.load(w_ptr + ra * stride_wn + col, mask=(ra < N) & live, other=0).to(gl.int32) & 0xFFFF
+    hi = gl.load(w_ptr + (ra + 8) * stride_wn + col, mask=(ra + 8 < N) & live, other=0).to(gl.int32)
+    codes = lo | (hi << 16)
+    if HAS_ZEROS:
+        z0 = gl.load(z_ptr + ra * stride_zn + z_col, mask=(ra < N) & live, other=0).to(gl.int32)
+        z1 = gl.load(z_ptr + (ra + 8) * stride_zn + z_col, mask=(ra + 8 < N) & live, other=0).to(gl.int32)
+    else:
+        z0 = gl.zeros_like(codes) + 8
+        z1 = z0
+    return codes, z0, z1
+
+
+@gluon.jit
 def sparse_mma_w4_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_ptr, M, N, TILES, SPLIT,
                          stride_xm, stride_wn, stride_mn, stride_sn, stride_zn, stride_om, GROUP: gl.constexpr,
                          HAS_ZEROS: gl.constexpr, KT: gl.constexpr, ROW_BLOCKS: gl.constexpr, PARTIAL: gl.constexpr,
@@ -341,16 +357,8 @@ def sparse_mma_w4_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, count_p
     for b in range(ROW_BLOCKS):
         rows = row0 + b * ROWS
         ra = rows + a_row
-        lo = gl.load(w_ptr + ra * stride_wn + a_col, mask=(ra < N) & live, other=0).to(gl.int32) & 0xFFFF
-        hi = gl.load(w_ptr + (ra + 8) * stride_wn + a_col, mask=(ra + 8 < N) & live, other=0).to(gl.int32)
-        codes = lo | (hi << 16)
+        codes, z0, z1 = w4_codes(w_ptr, z_ptr, ra, a_col, z_col, live, N, stride_wn, stride_zn, HAS_ZEROS)
         e = gl.expand_dims(_meta_regs(meta_ptr, rows, m_row, m_tile, m_live, m_shift, N, stride_mn), 3)
-        if HAS_ZEROS:
-            z0 = gl.load(z_ptr + ra * stride_zn + z_col, mask=(ra < N) & live, other=0).to(gl.int32)
-            z1 = gl.load(z_ptr + (ra + 8) * stride_zn + z_col, mask=(ra + 8 < N) & live, other=0).to(gl.int32)
-        else:
-            z0 = gl.zeros_like(codes) + 8
-            z1 = z0
         nz0 = (z0 | 0xC300) * 0x10001  # -(128 + zero) in both halves
         nz1 = (z1 | 0xC300) * 0x10001
         sr = rows + s_row

@@ -657,17 +657,17 @@ def sparse_mma_candidates(m: int, n: int, k: int, device: torch.device) -> list[
 
 SPARSE_GEMM_TILES = {2: ((8, 4, 1), (8, 4, 0), (16, 4, 0), (8, 8, 1), (16, 8, 0)),
                      4: ((4, 4, 1), (8, 4, 1), (8, 4, 0), (4, 8, 1), (8, 8, 0)),
-                     8: ((4, 4, 1), (4, 4, 0), (4, 8, 1), (2, 8, 1))}
+                     8: ((4, 4, 1), (4, 4, 0), (4, 8, 1), (2, 8, 1), (8, 8, 1), (8, 4, 1))}
 # groups of 8 rows of x per program -> (32-column tiles per chunk, warps, next chunk's weights loaded before the
-# MMAs) of the 2:4 GEMM on sparse tensor cores; more tiles per chunk spill registers at these group counts (sm_90
-# SASS, tests/test_kernels_sparse_mma.py)
+# MMAs) of the 2:4 GEMM on sparse tensor cores; none spills (sm_90 SASS, plain and + INT4); 16-tile chunks at 4 groups
+# spill or take 255 registers
 
 
-def sparse_gemm_candidates(m: int, n: int, k: int, device: torch.device, *, w4: bool = False) -> list[WordConfig]:
+def sparse_gemm_candidates(m: int, n: int, k: int, device: torch.device) -> list[WordConfig]:
     """Configs of the 2:4 GEMM ([Note: 2:4 GEMM on sparse tensor cores]) for ``m`` rows of ``x`` (more than 8): the
     fewest groups of 8 rows per program that cover ``m`` (at most 8), each chunk depth and warp count with the one
     or two slice counts that first give a wave of programs; slices whose partials do not fit the workspace are left
-    out. 2:4 + INT4 has no choice of prefetch (it loads the next chunk after the MMAs)."""
+    out."""
     from ._sparse_mma import MAX_GEMM_GROUPS
 
     groups = min(MAX_GEMM_GROUPS, 1 << max(0, (cdiv(m, 8) - 1).bit_length()))
@@ -676,7 +676,6 @@ def sparse_gemm_candidates(m: int, n: int, k: int, device: torch.device, *, w4: 
     sms = _sm_count(device.index or 0)
     out = []
     for kt, warps, depth in SPARSE_GEMM_TILES[max(2, groups)]:
-        depth = 0 if w4 else depth
         progs = m_groups * cdiv(n, 16 * warps)
         if progs > WORKSPACE_COUNTERS:
             continue
@@ -705,7 +704,8 @@ def run_sparse_mma(x, words, meta, c: WordConfig, *, n: int, s=None, z=None, gro
                 return None
         if s is not None:
             return run_sparse_gemm_w4(x, words, meta, s, z, n=n, group=group, tiles_per_chunk=c.block_w // 8,
-                                      groups=c.block_m // 8, split=c.split_k, warps=c.warps, workspace=ws)
+                                      groups=c.block_m // 8, split=c.split_k, warps=c.warps, depth=c.prefetch,
+                                      workspace=ws)
         return run_sparse_gemm(x, words, meta, n=n, tiles_per_chunk=c.block_w // 8, groups=c.block_m // 8,
                                split=c.split_k, warps=c.warps, depth=c.prefetch, workspace=ws)
     if c.split_k > 1:
@@ -811,7 +811,7 @@ def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
 
         w4 = fmt == FMT_S24W4
         if sparse_gemm_fits(x, words, meta, w4=w4, s=s, z=z, group=group):  # the 2:4 GEMM: only its configs
-            return launch(_pick(key, sparse_gemm_candidates(m, n, k, x.device, w4=w4), launch))
+            return launch(_pick(key, sparse_gemm_candidates(m, n, k, x.device), launch))
     if fmt == FMT_S24:
         from ._sparse_mma import sparse_mma_fits
 

@@ -26,9 +26,9 @@ or + INT4, with bf16 ``x`` keeps ``gemv`` up to ``sparse_gemv_max_m`` rows where
 tensor cores runs ([Note: 2:4 GEMV on sparse tensor cores] in ``_sparse_mma_kernels``): the rows of
 ``x`` are that MMA's 8 columns, so 1 to 8 rows read the weights once. From 9 rows up to
 ``sparse_gemm_max_m`` the ``gemv`` path runs the 2:4 GEMM on sparse tensor cores instead ([Note: 2:4
-GEMM on sparse tensor cores] in ``_sparse_gemm_kernels``; H100, kernels run 141: 1.07-1.30x of bf16 at
-16 rows and 0.77-1.11x at 32, where split-K gave 0.72-0.89x and 0.50-0.57x); at 64 rows it lost
-to split-K (0.48-0.70x against 0.67-0.79x), so 33 rows and up keep split-K.
+GEMM on sparse tensor cores] in ``_sparse_gemm_kernels``; H100, kernels run 146: 1.09-1.41x of bf16 at
+16 rows and 0.85-1.35x at 32, where split-K gave 0.73-0.86x and 0.50-0.57x); at 64 rows it lost
+to split-K on two shapes of three (0.53-0.90x against 0.68-0.79x), so 33 rows and up keep split-K.
 Shapes the word kernels cannot read, and the 2:4 formats above ``gemv_max_m``, use
 the generic skeleton: split-K keeps the GPU full when the output has few tiles. At
 medium ``M`` a tiled GEMM still saves bytes. At large ``M`` the matmul is compute-bound

@@ -81,7 +81,7 @@ def test_policy_keeps_2_4_on_gemv_up_to_32_rows_only_where_it_runs():
     for m in (9, 16, 32):  # the 2:4 GEMM
         assert policy.path("sparse24", m, sparse_mma=True) == "gemv"
         assert policy.path("sparse24_w4a16", m, sparse_mma=True) == "gemv"
-    assert policy.path("sparse24", 33, sparse_mma=True) == "splitk"  # it lost to split-K at 64 rows (kernels run 141)
+    assert policy.path("sparse24", 33, sparse_mma=True) == "splitk"  # it lost to split-K at 64 rows (kernels runs 141-146)
     assert policy.path("sparse24", 4, words=False, sparse_mma=True) == "splitk"
     assert KernelPolicy(sparse_gemv_max_m=1, sparse_gemm_max_m=1).path("sparse24", 4, sparse_mma=True) == "splitk"
     assert KernelPolicy(sparse_gemm_max_m=8).path("sparse24", 9, sparse_mma=True) == "splitk"
@@ -129,17 +129,15 @@ def test_gemm_candidates_cover_the_rows_in_groups_of_8_and_fit_the_workspace(mon
     monkeypatch.setattr(_word, "_sm_count", lambda index: 132)
     gpu = torch.device("cuda", 0)
     for m, n, k in ((9, 8192, 8192), (16, 28672, 8192), (32, 8192, 28672), (64, 8192, 8192), (130, 1000, 1056)):
-        for w4 in (False, True):
-            got = _word.sparse_gemm_candidates(m, n, k, gpu, w4=w4)
-            groups = min(8, 1 << (-(-m // 8) - 1).bit_length())
-            assert got and all(c.sparse_mma and c.block_m == 8 * groups and c.block_n == 16 * c.warps for c in got)
-            assert len(set(got)) == len(got)
-            for c in got:
-                tiles = c.block_w // 8
-                assert (tiles, c.warps, c.prefetch) in _word.SPARSE_GEMM_TILES[max(2, groups)] or w4
-                assert tiles % 2 == 0 and (not w4 or c.prefetch == 0)
-                assert c.split_k == 1 or m * c.split_k * n <= _word.STATIONARY_WORKSPACE
-                assert -(-m // c.block_m) * -(-n // c.block_n) <= _word.WORKSPACE_COUNTERS
+        got = _word.sparse_gemm_candidates(m, n, k, gpu)
+        groups = min(8, 1 << (-(-m // 8) - 1).bit_length())
+        assert got and all(c.sparse_mma and c.block_m == 8 * groups and c.block_n == 16 * c.warps for c in got)
+        assert len(set(got)) == len(got)
+        for c in got:
+            tiles = c.block_w // 8
+            assert (tiles, c.warps, c.prefetch) in _word.SPARSE_GEMM_TILES[max(2, groups)] and tiles % 2 == 0
+            assert c.split_k == 1 or m * c.split_k * n <= _word.STATIONARY_WORKSPACE
+            assert -(-m // c.block_m) * -(-n // c.block_n) <= _word.WORKSPACE_COUNTERS
     # the slice counts start at the first that gives a wave of programs
     got = _word.sparse_gemm_candidates(16, 8192, 8192, gpu)
     assert min(c.split_k * -(-8192 // c.block_n) for c in got) >= 132
@@ -159,6 +157,7 @@ def test_gemm_fits_any_rows_with_the_gemv_operands(monkeypatch):
     s = torch.ones(64, 2, dtype=torch.bfloat16)
     assert _sparse_mma.sparse_gemm_fits(x, codes, meta16, w4=True, s=s, group=128)
     assert not _sparse_mma.sparse_gemm_fits(x, codes, meta16, w4=True, s=None, group=128)  # no scales
+    assert not _sparse_mma.sparse_gemm_fits(x, codes, meta16, w4=True, s=s.half(), group=128)  # weights made in bf16
     assert not _sparse_mma.sparse_gemm_fits(x, codes, meta16, w4=True, s=s, group=32)
 
 
@@ -176,7 +175,7 @@ def test_gemv_path_tunes_the_2_4_gemm_alone_from_9_rows(offered):
     with pytest.raises(Picked):
         _word.run_gemv(torch.zeros(12, 256, dtype=torch.bfloat16), words, torch.ones(64, 2, dtype=torch.bfloat16),
                        None, m, fmt=_word.FMT_S24W4, group=128, n=64, k=256)
-    assert offered[-1] and all(c.sparse_mma and c.block_m == 16 and c.prefetch == 0 for c in offered[-1])
+    assert offered[-1] and all(c.sparse_mma and c.block_m == 16 for c in offered[-1])
 
 
 def test_bad_gemm_arguments_are_refused_before_launch():
@@ -219,7 +218,7 @@ from zspeed.kernels import _sparse_gemm_kernels, _sparse_mma_kernels
 
 kernel_name, const = sys.argv[1], json.loads(sys.argv[2])
 fn = getattr(_sparse_gemm_kernels if kernel_name.startswith("sparse_gemm") else _sparse_mma_kernels, kernel_name)
-w4 = kernel_name.endswith("w4_kernel")  # 2:4 + INT4: codes read as int16, scales and zero points
+w4 = kernel_name.endswith("w4_kernel") or const.get("W4", False)  # 2:4 + INT4: codes read as int16, scales, zeros
 n, k = 8192, 8192
 values = dict(x_ptr=torch.empty(1, dtype=torch.int32), w_ptr=torch.empty(1, dtype=torch.int16 if w4 else torch.int32),
               meta_ptr=torch.empty(1, dtype=torch.int32), s_ptr=torch.empty(1, dtype=torch.bfloat16),
@@ -250,7 +249,7 @@ print(json.dumps({"ops": ops, "stack": int(re.search(r"STACK:(\d+)", res).group(
 def _compiled(tmp_path: Path, kernel: str, **const) -> dict:
     if _sparse_mma._kernels() is None:
         pytest.skip("this triton has no Gluon")
-    const = {"PARTIAL": True, "FIX_K": 4, **({} if kernel.startswith("sparse_gemm") else {"ROW_BLOCKS": 4}), **const}
+    const = {"PARTIAL": True, "FIX_K": 4, **({} if kernel == "sparse_gemm_kernel" else {"ROW_BLOCKS": 4}), **const}
     return run_compile_script(_COMPILE, [kernel, json.dumps(const), str(tmp_path / f"{kernel}.cubin")], tmp_path)
 
 
@@ -280,21 +279,22 @@ def test_compiles_for_hopper_to_one_sparse_mma_per_tile(tmp_path, kt, warps, dep
     assert loads.count("LDG.E.64") == 2 * kt * (depth + 1)
 
 
-@pytest.mark.parametrize("kernel,kt,groups,warps,depth", [("sparse_gemm_kernel", 4, 8, 4, 1),
-                                                          ("sparse_gemm_kernel", 8, 4, 4, 1),
-                                                          ("sparse_gemm_w4_kernel", 8, 4, 4, 0)])
-def test_gemm_compiles_for_hopper_to_one_sparse_mma_per_tile_and_group(tmp_path, kernel, kt, groups, warps, depth):
-    """The largest chunks that ``_word.SPARSE_GEMM_TILES`` offers at 64 and 32 rows: every group of 8 rows of x takes
-    one ``mma.sp`` per tile of the chunk, with its ``B`` registers read from shared memory in 16-byte (plain) or
-    8-byte (2:4 + INT4: one register of a pair of tiles) loads, and nothing spills."""
-    w4 = "w4" in kernel
-    const = dict(KT=kt, NT=groups, num_warps=warps, **({"GROUP": 128, "HAS_ZEROS": True} if w4 else {"DEPTH": depth}))
-    got = _compiled(tmp_path, kernel, **const)
+@pytest.mark.parametrize("w4,kt,groups,warps,depth", [(False, 4, 8, 4, 1), (False, 8, 4, 4, 1), (True, 4, 8, 4, 1),
+                                                       (True, 8, 2, 4, 0)])
+def test_gemm_compiles_for_hopper_to_one_sparse_mma_per_tile_and_group(tmp_path, w4, kt, groups, warps, depth):
+    """Chunks that ``_word.SPARSE_GEMM_TILES`` offers at 64, 32 and 16 rows: every group of 8 rows of x takes one
+    ``mma.sp`` per tile of the chunk, chained through the accumulator (no FADD in the loop), its ``B`` registers read
+    from shared memory in 16-byte loads; 2:4 + INT4 dequantizes each code byte once per chunk, not once per group (one
+    bf16 subtraction and one multiply per ``A`` register); nothing spills."""
+    const = dict(KT=kt, NT=groups, num_warps=warps, DEPTH=depth, W4=w4, GROUP=128, HAS_ZEROS=True)
+    got = _compiled(tmp_path, "sparse_gemm_kernel", **const)
     mmas = [rest for op, rest in got["ops"] if op.startswith("HMMA.SP.16832.F32.BF16")]
     assert len(mmas) == groups * kt
     selectors = [re.search(r"(0x[01])\s*$", rest.strip()).group(1) for rest in mmas]
     assert selectors.count("0x0") == selectors.count("0x1") == groups * kt // 2
     ops = [op for op, _ in got["ops"]]
-    assert ops.count("LDS.64" if w4 else "LDS.128") == groups * kt * (2 if w4 else 1)
+    assert ops.count("LDS.128") == groups * kt
+    bf16 = sum(op.startswith(("HFMA2.BF16", "HADD2.BF16", "HMUL2.BF16")) for op in ops)
+    assert bf16 == (2 * 2 * 4 * kt if w4 else 0)  # two per A register, in the prologue's chunk and the loop's next
     assert got["stack"] == 0 and got["local"] == 0 and got["regs"] <= 255
     assert not any(op.startswith(("LDL", "STL")) for op in ops)
