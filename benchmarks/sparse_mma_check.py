@@ -67,40 +67,47 @@ def check_w4(ws) -> int:
 
 GEMM_CASES = ((64, 256, 9, 2, 2, 1, 4, 1), (200, 1024, 16, 4, 2, 2, 4, 0), (1000, 1056, 23, 8, 4, 3, 4, 1),
               (96, 512, 40, 2, 8, 1, 8, 1), (1000, 8192, 64, 4, 8, 4, 8, 1), (2048, 8192, 130, 4, 8, 2, 4, 0),
-              (1024, 4096, 33, 16, 2, 1, 4, 0), (1000, 8192, 64, 8, 8, 2, 8, 1))
-# (N, K, M, tiles per chunk, groups of 8 rows of x, slices, warps, next chunk's weights loaded first) of the 2:4 GEMM
+              (1024, 4096, 33, 16, 2, 1, 4, 0), (1000, 8192, 64, 8, 8, 2, 8, 1), (1000, 1056, 23, 4, 4, 3, 4, 1, 2),
+              (2048, 8192, 130, 2, 8, 2, 8, 1, 2), (200, 1024, 16, 4, 2, 2, 4, 1, 2))
+# (N, K, M, tiles per chunk, groups of 8 rows of x, slices, warps, next chunk's weights loaded first[, blocks of 16
+# weight rows a warp]) of the 2:4 GEMM
 GEMM_W4_CASES = ((64, 256, 9, 2, 2, 1, 4, 1, 128, True), (200, 1024, 16, 4, 2, 2, 4, 0, 128, False),
                  (1000, 3072, 23, 8, 4, 3, 4, 1, 256, True), (96, 512, 40, 2, 8, 1, 8, 0, 128, True),
                  (1000, 8192, 64, 4, 8, 4, 8, 1, 128, True), (2048, 8192, 130, 4, 8, 2, 4, 0, 128, False),
-                 (1000, 8192, 61, 8, 8, 2, 8, 1, 128, True))
-# (N, K, M, tiles per chunk, groups, slices, warps, next chunk loaded first, group of original columns, zero points)
+                 (1000, 8192, 61, 8, 8, 2, 8, 1, 128, True), (1000, 3072, 23, 4, 4, 3, 4, 1, 256, True, 2),
+                 (2048, 8192, 130, 2, 8, 2, 8, 1, 128, False, 2), (64, 256, 9, 2, 2, 1, 4, 1, 128, True, 2))
+# (N, K, M, tiles per chunk, groups, slices, warps, next chunk loaded first, group of original columns, zero
+# points[, blocks of 16 weight rows a warp])
 
 
 def check_gemm(ws) -> int:
     """The 2:4 GEMM (9 rows of x and more), plain and + INT4, bit for bit."""
     bad = 0
-    for n, k, m, kt, groups, split, warps, depth in GEMM_CASES:
+    for n, k, m, kt, groups, split, warps, depth, *more in GEMM_CASES:
+        blocks = more[0] if more else 1
         sp = compress_nm(_pattern(n, k))
         x = torch.randint(-3, 4, (m, k), device="cuda").to(torch.bfloat16)
         ref = sparse24_ref(x, sp.values, sp.meta).float()
         torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)  # freed: the output lands on it
         out = run_sparse_gemm(x, sp.values.view(torch.int32), sp.meta, n=n, tiles_per_chunk=kt, groups=groups,
-                              split=split, warps=warps, depth=depth, workspace=ws).float()
+                              split=split, warps=warps, depth=depth, blocks=blocks, workspace=ws).float()
         ok = torch.equal(out, ref)
         bad += not ok
-        print(f"GEMM N={n} K={k} M={m} tiles/chunk={kt} groups={groups} slices={split} warps={warps} ahead={depth}: "
+        print(f"GEMM N={n} K={k} M={m} tiles/chunk={kt} groups={groups} slices={split} warps={warps} ahead={depth} "
+              f"blocks={blocks}: "
               + ("exact" if ok else f"MISMATCH (max {(out - ref).abs().max().item()}, {out.isnan().sum().item()} NaN)"),
               flush=True)
-    for n, k, m, kt, groups, split, warps, depth, group, zeros in GEMM_W4_CASES:
+    for n, k, m, kt, groups, split, warps, depth, group, zeros, *more in GEMM_W4_CASES:
+        blocks = more[0] if more else 1
         x, codes, meta, scales, z, ref = _w4_case(n, k, m, group, zeros)
         torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         out = run_sparse_gemm_w4(x, codes.view(torch.int32), meta.view(torch.int16), scales, z, n=n, group=group,
                                  tiles_per_chunk=kt, groups=groups, split=split, warps=warps, depth=depth,
-                                 workspace=ws).float()
+                                 blocks=blocks, workspace=ws).float()
         ok = torch.equal(out, ref)
         bad += not ok
         print(f"GEMM 2:4+INT4 g{group} zeros={zeros} N={n} K={k} M={m} tiles/chunk={kt} groups={groups} slices={split} "
-              f"warps={warps} ahead={depth}: " + ("exact" if ok else f"MISMATCH (max {(out - ref).abs().max().item()}, "
+              f"warps={warps} ahead={depth} blocks={blocks}: " + ("exact" if ok else f"MISMATCH (max {(out - ref).abs().max().item()}, "
                                                         f"{out.isnan().sum().item()} NaN)"), flush=True)
     return bad
 

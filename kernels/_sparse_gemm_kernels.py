@@ -10,13 +10,15 @@ to 64 rows, H100, kernels run 124), though their weight bytes still dominate the
 + INT4 alike, keeps the GEMV's weight side (16 weight rows per warp on the MMA's ``M`` side, the stored values and
 positions handed to the instruction as they are, [Note: block order]) and changes the rest:
 
-- a program owns one block of ``16 * num_warps`` weight rows, ``NT`` groups of 8 rows of ``x`` (one ``mma.sp`` per
-  group and 32-column tile) and a slice of ``K`` that it walks in chunks of ``KT`` tiles; so at 64 rows a program
-  reads its weights once and needs few slices (split-K partials of 64 rows cost 4 bytes per row each, against 1.25
-  bytes per weight per weight row);
-- a group's MMAs over a chunk run in one inline-asm call, chained through the accumulator: its running sums go in as
-  the first MMA's ``C`` and come out of the last (:func:`_chain_asm`; the other slots of the pack are neither
-  written nor read), so the loop has no FADD;
+- a program owns ``16 * MT * num_warps`` weight rows (``MT`` blocks of 16 a warp), ``NT`` groups of 8 rows of ``x``
+  (one ``mma.sp`` per block, group and 32-column tile) and a slice of ``K`` that it walks in chunks of ``KT`` tiles;
+  so at 64 rows a program reads its weights once and needs few slices (split-K partials of 64 rows cost 4 bytes per
+  row each, against 1.25 bytes per weight per weight row);
+- with two blocks a warp, each ``B`` fragment read from shared memory feeds two ``mma.sp``, and ``x`` is staged once
+  for twice the weight rows;
+- a group's MMAs over a chunk run in one inline-asm call, chained through the accumulators (one per block, their
+  MMAs alternating): the running sums go in as the first MMA's ``C`` and come out of the last (:func:`chain_asm`;
+  the other slots of the pack are neither written nor read), so the loop has no FADD;
 - each chunk of ``x`` (``8 * NT`` rows x ``32 * KT`` columns) is read in natural order, 16 bytes a load, renamed into
   fragment order in registers and staged in shared memory that way: for every group, pair of tiles and tile, the
   32 lanes' four ``B`` registers lie side by side, so a warp reads 512 contiguous bytes per ``(group, pair, tile)``
@@ -31,15 +33,18 @@ has its own counter, and its last slice sums the partials of its rows of ``x``. 
 several groups of programs on the grid's first axis, so the programs that share a block of weights run together and
 all but the first read it from L2.
 
-Measured on an H100 (benchmarks/RESULTS.md, kernels runs 141-146; bf16 in the same process): at 16 rows 1.10-1.41x
-of bf16 for plain 2:4 and 1.09-1.29x for 2:4 + INT4, at 32 rows 0.86-1.35x and 0.85-1.04x, where split-K ran
-0.73-0.86x and 0.50-0.57x. The first version (sums by FADD, ``x`` gathered 4 bytes at a time, INT4 dequantized once
-per group) took 422 instructions a warp for a chunk of 32 ``mma.sp`` and 212 registers; this one 304 and 160 (INT4:
-491 and 167, from 759 and 238). From 64 rows it still loses to split-K on two shapes of three (0.53-0.90x against
-0.68-0.79x): each warp reads every group's ``B`` from shared memory for its own 16 weight rows, so the instructions
-per weight byte grow with the rows. So the policy (``KernelPolicy.sparse_gemm_max_m``) sends it 9 to 32 rows.
+Measured on an H100 (benchmarks/RESULTS.md, kernels runs 141-149; bf16 in the same process): at 16 rows 1.09-1.44x
+of bf16 for plain 2:4 and 1.12-1.30x for 2:4 + INT4, at 32 rows 0.89-1.34x and 0.94-1.13x, at 64 rows 0.66-1.06x and
+0.63-0.85x, where split-K ran 0.73-0.86x, 0.50-0.57x and 0.67-0.79x. A chunk of 4 tiles x 8 groups is 7.1
+instructions a ``mma.sp`` with two blocks a warp (plain 2:4; 2:4 + INT4 11.4); the first version (sums by FADD,
+``x`` gathered 4 bytes at a time, INT4 dequantized once per group, one block a warp) took 13.2 (23.7). The cost per
+weight byte still grows with the rows of ``x``: on 8192x8192 at 64 rows split-K stays 5-7 % ahead, and from 128 rows
+it loses to cuSPARSELt (plain 2:4) and to dequantize + cuBLAS (2:4 + INT4). So the policy
+(``KernelPolicy.sparse_gemm_max_m``) sends it 9 to 64 rows.
 """
 from __future__ import annotations
+
+import functools
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -48,54 +53,35 @@ from ._sparse_mma_kernels import (_MMA, _along4, _cta_barrier, _meta_index, _met
                                   w4_codes)
 
 
-def _chain_asm(kt: int) -> tuple[str, str]:
-    """One group's ``mma.sp`` over a whole chunk of ``kt`` tiles, chained through the accumulator: the pack is the
-    chunk's ``4 kt`` fragment slots (pair ``p``, tile ``h`` of the pair, register ``r`` at ``8p + 4h + r``), outputs
-    ``$0``-``$3`` the group's new sums (the other outputs are left unwritten and unread), then ``A``, ``B``, the
-    metadata (slot ``8p`` of each pair) and the group's sums so far (slots 0-3). Outputs are early-clobber: they are
-    written before the last inputs are read."""
-    n = 4 * kt
+@functools.cache
+def chain_asm(kt: int, mt: int) -> tuple[str, str]:
+    """One group's ``mma.sp`` over a whole chunk of ``kt`` tiles for ``mt`` blocks of 16 weight rows, chained through
+    the accumulators: the pack is the chunk's ``4 kt mt`` fragment slots (block ``m``, pair ``p``, tile ``h`` of the
+    pair, register ``r`` at ``4 kt m + 8p + 4h + r``); outputs: block ``m``'s new sums in its slots 0-3 (the other
+    outputs are left unwritten and unread); inputs: ``A``, ``B`` (the same in every block: block 0's slots are read),
+    the metadata (slot ``8p`` of each pair) and the sums so far (slots 0-3 of each block). The blocks' MMAs alternate,
+    two independent chains. Outputs are early-clobber: they are written before the last inputs are read."""
+    n = 4 * kt * mt
     a, b, e, c = n, 2 * n, 3 * n, 4 * n
     lines = ["{"]
-    acc = f"${c}, ${c + 1}, ${c + 2}, ${c + 3}"
     for tile in range(kt):
         p, h = divmod(tile, 2)
-        i = 8 * p + 4 * h
-        lines.append(f"{_MMA} {{$0, $1, $2, $3}}, {{${a + i}, ${a + i + 2}, ${a + i + 1}, ${a + i + 3}}}, "
-                     f"{{${b + i}, ${b + i + 1}, ${b + i + 2}, ${b + i + 3}}}, {{{acc}}}, ${e + 8 * p}, 0x{h};")
-        acc = "$0, $1, $2, $3"
+        for m in range(mt):
+            o = 4 * kt * m
+            i = o + 8 * p + 4 * h
+            j = 8 * p + 4 * h
+            acc = f"${o}, ${o + 1}, ${o + 2}, ${o + 3}" if tile else f"${c + o}, ${c + o + 1}, ${c + o + 2}, ${c + o + 3}"
+            lines.append(f"{_MMA} {{${o}, ${o + 1}, ${o + 2}, ${o + 3}}}, {{${a + i}, ${a + i + 2}, ${a + i + 1}, "
+                         f"${a + i + 3}}}, {{${b + j}, ${b + j + 1}, ${b + j + 2}, ${b + j + 3}}}, {{{acc}}}, "
+                         f"${e + o + 8 * p}, 0x{h};")
     lines.append("}")
     return "\n".join(lines), ",".join(["=&f"] * n + ["r"] * (3 * n) + ["f"] * n)
-
-
-_CHAIN_2 = gl.constexpr(_chain_asm(2)[0])
-_CHAIN_4 = gl.constexpr(_chain_asm(4)[0])
-_CHAIN_8 = gl.constexpr(_chain_asm(8)[0])
-_CHAIN_16 = gl.constexpr(_chain_asm(16)[0])
-_CHAIN_IO_2 = gl.constexpr(_chain_asm(2)[1])
-_CHAIN_IO_4 = gl.constexpr(_chain_asm(4)[1])
-_CHAIN_IO_8 = gl.constexpr(_chain_asm(8)[1])
-_CHAIN_IO_16 = gl.constexpr(_chain_asm(16)[1])
 
 
 @gluon.jit
 def _first(a, b):
     """A reduction's combine that keeps its first operand: reads one slot of a pack, in no instruction."""
     return a
-
-
-@gluon.jit
-def _chain(a, b, e, c, KT: gl.constexpr):
-    """:func:`_chain_asm` for ``KT`` tiles; all operands of ``a``'s shape, its chunk the pack."""
-    if KT == 2:
-        return gl.inline_asm_elementwise(_CHAIN_2, _CHAIN_IO_2, [a, b, e, c], dtype=gl.float32, is_pure=True, pack=8)
-    elif KT == 4:
-        return gl.inline_asm_elementwise(_CHAIN_4, _CHAIN_IO_4, [a, b, e, c], dtype=gl.float32, is_pure=True, pack=16)
-    elif KT == 8:
-        return gl.inline_asm_elementwise(_CHAIN_8, _CHAIN_IO_8, [a, b, e, c], dtype=gl.float32, is_pure=True, pack=32)
-    else:
-        return gl.inline_asm_elementwise(_CHAIN_16, _CHAIN_IO_16, [a, b, e, c], dtype=gl.float32, is_pure=True,
-                                         pack=64)
 
 
 @gluon.jit
@@ -116,6 +102,15 @@ def _along5(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
     else:
         return gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
             3, layout)))))[None, None, None, None, :]
+
+
+@gluon.jit
+def _along6(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
+    """``arange(n)`` along ``dim`` of a 6-D tensor in ``layout``, through :func:`_along5`."""
+    if dim == 5:
+        return gl.expand_dims(_along5(n, 4, gl.SliceLayout(0, layout)), 0)
+    else:
+        return gl.expand_dims(_along5(n, dim, gl.SliceLayout(5, layout)), 5)
 
 
 @gluon.jit
@@ -184,65 +179,73 @@ _DEQUANT_IO = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 12))
 
 @gluon.jit
 def _weights(w_ptr, meta_ptr, s_ptr, z_ptr, N, TILES, stride_wn, stride_mn, stride_sn, stride_zn, row0, chunk, more,
-             warp, lane, pair, half, r, KT: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr,
-             W4: gl.constexpr, num_warps: gl.constexpr, A5: gl.constexpr):
-    """The ``A`` registers (``(warp, lane, pair, tile, register)`` int32, bf16 pairs) and metadata registers of chunk
-    ``chunk`` (nothing read where ``more`` is false). Register ``r`` of lane ``4g + t`` is row ``g + 8 (r // 2)``,
-    stored block ``2t + r % 2`` of its tile: plain 2:4 reads it as stored (8-byte pairs); 2:4 + INT4 reads a tile's
-    four codes bytes of both rows as one int32 and dequantizes them here."""
-    M3: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, A5))  # one value per pair of tiles
-    g = lane // 4
-    t = lane % 4
-    tile = chunk * KT + 2 * pair + half
-    row = row0 + 16 * warp + g + 8 * (r // 2)
-    live = (tile < TILES) & more
+             KT: gl.constexpr, MT: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, W4: gl.constexpr,
+             num_warps: gl.constexpr, A6: gl.constexpr):
+    """The ``A`` registers (``(warp, lane, block, pair, tile, register)`` int32, bf16 pairs) and the metadata
+    registers (``(warp, lane, block, pair)``) of chunk ``chunk`` (nothing read where ``more`` is false). Warp ``w``'s
+    block ``m`` is weight rows ``16 (MT w + m)`` on. Register ``r`` of lane ``4g + t`` is the block's row ``g + 8 (r //
+    2)``, stored block ``2t + r % 2`` of its tile: plain 2:4 reads it as stored (8-byte pairs); 2:4 + INT4 reads a
+    tile's four code bytes of both rows as one int32 and dequantizes them here."""
+    M4: gl.constexpr = gl.SliceLayout(4, gl.SliceLayout(5, A6))  # (warp, lane, block, pair)
+    lane4 = _along4(32, 1, M4)
+    pair4 = _along4(KT // 2, 3, M4)
+    rg4 = row0 + 16 * (MT * _along4(num_warps, 0, M4) + _along4(MT, 2, M4)) + lane4 // 4  # row g of the block
+    # metadata of the pair: lane 4g + t holds logical blocks 0-3 (t even) or 4-7 of tile 2p + t // 2, rows g and g + 8
+    m_tile = chunk * KT + 2 * pair4 + (lane4 % 4) // 2
+    e = _meta_regs(meta_ptr, rg4, 0, m_tile, (m_tile < TILES) & more, 4 * (lane4 % 2), N, stride_mn)
     if W4:
-        T4: gl.constexpr = gl.SliceLayout(4, A5)
-        tq = chunk * KT + 2 * _along4(KT // 2, 2, T4) + _along4(2, 3, T4)  # one value per tile
-        lane4 = _along4(32, 1, T4)
-        rg = row0 + 16 * _along4(num_warps, 0, T4) + lane4 // 4  # row g
+        T5: gl.constexpr = gl.SliceLayout(5, A6)  # (warp, lane, block, pair, tile): one value per tile
+        lane5 = gl.expand_dims(lane4, 4)
+        tq = chunk * KT + 2 * gl.expand_dims(pair4, 4) + _along5(2, 4, T5)
+        rg = gl.expand_dims(rg4, 4)
         lq = (tq < TILES) & more
-        codes, z0, z1 = w4_codes(w_ptr, z_ptr, rg, tq * 4 + lane4 % 4, tq * 32 // GROUP, lq, N, stride_wn, stride_zn,
+        codes, z0, z1 = w4_codes(w_ptr, z_ptr, rg, tq * 4 + lane5 % 4, tq * 32 // GROUP, lq, N, stride_wn, stride_zn,
                                  HAS_ZEROS)
         # the pair's scales (both tiles in one group: GROUP a multiple of 64), rows g and g + 8, as bf16 bits
-        m_row, m_tile, m_live, m_shift = _meta_index(chunk, TILES, KT, num_warps, M3)
-        sp = m_tile - m_tile % 2
-        sr = row0 + m_row
+        sp = chunk * KT + 2 * pair4
         s_live = (sp < TILES) & more
-        s0 = gl.load(s_ptr + sr * stride_sn + sp * 32 // GROUP, mask=(sr < N) & s_live, other=0.0)
-        s1 = gl.load(s_ptr + (sr + 8) * stride_sn + sp * 32 // GROUP, mask=(sr + 8 < N) & s_live, other=0.0)
+        s0 = gl.load(s_ptr + rg4 * stride_sn + sp * 32 // GROUP, mask=(rg4 < N) & s_live, other=0.0)
+        s1 = gl.load(s_ptr + (rg4 + 8) * stride_sn + sp * 32 // GROUP, mask=(rg4 + 8 < N) & s_live, other=0.0)
         s0 = s0.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
         s1 = s1.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
-        low = r < 2  # registers 0-1: row g; 2-3: row g + 8 (the selects fold: the register axis is in-thread)
-        nz = gl.where(low, gl.expand_dims((z0 | 0xC300) * 0x10001, 4), gl.expand_dims((z1 | 0xC300) * 0x10001, 4))
-        s2 = gl.where(low, gl.expand_dims(gl.expand_dims(s0 | (s0 << 16), 3), 4),
-                      gl.expand_dims(gl.expand_dims(s1 | (s1 << 16), 3), 4))
-        c5 = gl.expand_dims(codes, 4)
-        c5, nz = gl.broadcast(c5, nz)
-        a = gl.inline_asm_elementwise(_DEQUANT, _DEQUANT_IO, [c5, nz, gl.broadcast(s2, nz)[0]], dtype=gl.int32,
+        low = _along6(4, 5, A6) < 2  # registers 0-1: row g; 2-3: row g + 8 (the selects fold: in-thread axis)
+        nz = gl.where(low, gl.expand_dims((z0 | 0xC300) * 0x10001, 5), gl.expand_dims((z1 | 0xC300) * 0x10001, 5))
+        s2 = gl.where(low, gl.expand_dims(gl.expand_dims(s0 | (s0 << 16), 4), 5),
+                      gl.expand_dims(gl.expand_dims(s1 | (s1 << 16), 4), 5))
+        c6, nz = gl.broadcast(gl.expand_dims(codes, 5), nz)
+        a = gl.inline_asm_elementwise(_DEQUANT, _DEQUANT_IO, [c6, nz, gl.broadcast(s2, nz)[0]], dtype=gl.int32,
                                       is_pure=True, pack=4)
     else:
-        a = gl.load(w_ptr + row * stride_wn + tile * 8 + 2 * t + r % 2, mask=(row < N) & live, other=0)
-    m_row, m_tile, m_live, m_shift = _meta_index(chunk, TILES, KT, num_warps, M3)
-    return a, _meta_regs(meta_ptr, row0, m_row, m_tile, m_live & more, m_shift, N, stride_mn)
+        r = _along6(4, 5, A6)
+        tile = chunk * KT + 2 * _along6(KT // 2, 3, A6) + _along6(2, 4, A6)
+        row = row0 + 16 * (MT * _along6(num_warps, 0, A6) + _along6(MT, 2, A6)) + _along6(32, 1, A6) // 4 + 8 * (r // 2)
+        a = gl.load(w_ptr + row * stride_wn + tile * 8 + 2 * (_along6(32, 1, A6) % 4) + r % 2,
+                    mask=(row < N) & (tile < TILES) & more, other=0)
+    return a, e
 
 
 @gluon.jit
 def sparse_gemm_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_ptr, M, N, TILES, SPLIT, CHUNKS,
                        RUNS, stride_xm, stride_wn, stride_mn, stride_sn, stride_zn, stride_om, KT: gl.constexpr,
-                       NT: gl.constexpr, DEPTH: gl.constexpr, W4: gl.constexpr, GROUP: gl.constexpr,
-                       HAS_ZEROS: gl.constexpr, PARTIAL: gl.constexpr, FIX_K: gl.constexpr, num_warps: gl.constexpr):
+                       NT: gl.constexpr, MT: gl.constexpr, DEPTH: gl.constexpr, W4: gl.constexpr, GROUP: gl.constexpr,
+                       HAS_ZEROS: gl.constexpr, PARTIAL: gl.constexpr, FIX_K: gl.constexpr, CHAIN: gl.constexpr,
+                       CHAIN_IO: gl.constexpr, num_warps: gl.constexpr):
     """``out[M, N] = x @ densify(values, meta)^T`` for up to ``8 * NT`` rows of ``x`` per program ([Note: 2:4 GEMM
     on sparse tensor cores]). Plain 2:4 (``W4`` false): operands as ``sparse_mma_kernel``. 2:4 + INT4: ``w_ptr`` the
     kept values' codes ``(N, K / 4)`` uint8 read as int16 (two blocks each), ``s_ptr`` bf16 scales and ``z_ptr``
-    uint8 zero points (``HAS_ZEROS`` false: 8) per row and group of ``GROUP`` original columns (a multiple of 32).
-    Grid ``(groups of 8 * NT rows of x, RUNS blocks of 16 * num_warps weight rows, SPLIT slices)``; a slice is
-    ``CHUNKS`` chunks of ``KT`` tiles (even); ``DEPTH`` 1 loads the next chunk's weights before this one's MMAs."""
-    # axes: warp, lane, group of x rows, pair of tiles, tile of the pair, register
-    L6: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, NT, KT // 2, 2, 4], threads_per_warp=[1, 32, 1, 1, 1, 1],
-                                        warps_per_cta=[num_warps, 1, 1, 1, 1, 1], order=[5, 4, 3, 2, 1, 0])
-    A5: gl.constexpr = gl.SliceLayout(2, L6)  # one group's operands: A, B, the chained MMAs' slots
-    O4: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(3, L6))  # the sums: (warp, lane, group, register)
+    uint8 zero points (``HAS_ZEROS`` false: 8) per row and group of ``GROUP`` original columns (a multiple of 64).
+    Grid ``(groups of 8 * NT rows of x, RUNS blocks of 16 * MT * num_warps weight rows, SPLIT slices)``: ``MT`` blocks
+    of 16 weight rows a warp share each ``B`` read; a slice is ``CHUNKS`` chunks of ``KT`` tiles (even); ``DEPTH`` 1
+    loads the next chunk's weights before this one's MMAs; ``CHAIN``, ``CHAIN_IO``: :func:`chain_asm` of ``KT``,
+    ``MT``."""
+    # axes: warp, lane, group of x rows, block of 16 weight rows, pair of tiles, tile of the pair, register
+    L7: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, NT, MT, KT // 2, 2, 4],
+                                        threads_per_warp=[1, 32, 1, 1, 1, 1, 1],
+                                        warps_per_cta=[num_warps, 1, 1, 1, 1, 1, 1], order=[6, 5, 4, 3, 2, 1, 0])
+    A6: gl.constexpr = gl.SliceLayout(2, L7)  # one group's operands: A, B, the chained MMAs' slots
+    B5: gl.constexpr = gl.SliceLayout(2, A6)  # B as read: (1, lane, pair, tile, register)
+    O5: gl.constexpr = gl.SliceLayout(4, gl.SliceLayout(5, L7))  # the sums: (warp, lane, group, block, register)
+    C4: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, A6))  # one group's sums: (warp, lane, block, register)
     # staging, x in natural order: (group, g, pair, tile of the pair, r % 2, t // 2, 4 int32), 16 bytes a thread,
     # a warp's lanes over 4 rows x 128 bytes, the warps over the groups, then the pairs
     WQ: gl.constexpr = NT if NT < num_warps else num_warps
@@ -250,24 +253,18 @@ def sparse_gemm_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, count_ptr
                                         warps_per_cta=[WQ, 1, num_warps // WQ, 1, 1, 1, 1], order=[6, 5, 4, 3, 2, 1, 0])
     # fragment order in shared memory: register, lane, tile of the pair, pair, group (the buffer outermost)
     SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [4, 1, 3, 2, 0])
-    ROWS: gl.constexpr = 16 * num_warps
+    ROWS: gl.constexpr = 16 * MT * num_warps
     pid_m, pid_r, pid_k, m0, row0 = _program(NT, ROWS)
-
-    warp = _along5(num_warps, 0, A5)
-    lane = _along5(32, 1, A5)
-    pair = _along5(KT // 2, 2, A5)
-    half = _along5(2, 3, A5)
-    r = _along5(4, 4, A5)
 
     xs = gl.allocate_shared_memory(gl.int32, [2, NT, 32, KT // 2, 2, 4], SL)
     chunk0 = pid_k * CHUNKS
     tile0 = chunk0 * KT
     xr = _stage_x(x_ptr, M, TILES, stride_xm, m0, tile0, KT, NT, LS)
     a, e = _weights(w_ptr, meta_ptr, s_ptr, z_ptr, N, TILES, stride_wn, stride_mn, stride_sn, stride_zn, row0,
-                    chunk0, CHUNKS > 0, warp, lane, pair, half, r, KT, GROUP, HAS_ZEROS, W4, num_warps, A5)
+                    chunk0, CHUNKS > 0, KT, MT, GROUP, HAS_ZEROS, W4, num_warps, A6)
 
-    acc = gl.zeros([num_warps, 32, NT, 4], gl.float32, O4)
-    group = _along4(NT, 2, O4)
+    acc = gl.zeros([num_warps, 32, NT, MT, 4], gl.float32, O5)
+    group = _along5(NT, 2, O5)
     for c in range(CHUNKS):
         buf = c % 2
         xs.index(buf).store(xr)
@@ -276,31 +273,30 @@ def sparse_gemm_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, count_ptr
             xr = _stage_x(x_ptr, M, TILES, stride_xm, m0, tile0 + (c + 1) * KT, KT, NT, LS)
         if DEPTH == 1:
             a_n, e_n = _weights(w_ptr, meta_ptr, s_ptr, z_ptr, N, TILES, stride_wn, stride_mn, stride_sn, stride_zn,
-                                row0, chunk0 + c + 1, c + 1 < CHUNKS, warp, lane, pair, half, r, KT, GROUP, HAS_ZEROS,
-                                W4, num_warps, A5)
-        e5 = gl.broadcast(gl.expand_dims(gl.expand_dims(e, 3), 4), a)[0]
+                                row0, chunk0 + c + 1, c + 1 < CHUNKS, KT, MT, GROUP, HAS_ZEROS, W4, num_warps, A6)
+        e6 = gl.broadcast(gl.expand_dims(gl.expand_dims(e, 4), 5), a)[0]
         xb = xs.index(buf)
         for q in gl.static_range(NT):
-            b = xb.slice(q, 1).load(A5)  # (1, lane, pair, tile, register): the same in every warp
-            # this group's sums so far, in slots 0-3 of the chunk (the selects fold: the group axis is in-thread, and
+            b = gl.expand_dims(xb.slice(q, 1).load(B5), 2)  # the same in every warp and block
+            # this group's sums so far, in slots 0-3 of each block (the selects fold: the group axis is in-thread, and
             # x + -0.0 is x)
-            c4 = gl.sum(gl.where(group == q, acc, -0.0), axis=2)
-            c5 = gl.expand_dims(gl.expand_dims(gl.convert_layout(c4, gl.SliceLayout(2, gl.SliceLayout(3, A5))), 2), 3)
-            d = _chain(a, gl.broadcast(b, a)[0], e5, gl.broadcast(c5, a)[0], KT)
-            new = gl.reduce(gl.reduce(d, 3, _first), 2, _first)  # slots 0-3: (warp, lane, register)
-            acc = gl.where(group == q, gl.expand_dims(gl.convert_layout(new, gl.SliceLayout(2, O4)), 2), acc)
+            c4 = gl.convert_layout(gl.sum(gl.where(group == q, acc, -0.0), axis=2), C4)
+            d = gl.inline_asm_elementwise(CHAIN, CHAIN_IO, [a, gl.broadcast(b, a)[0], e6, gl.broadcast(
+                gl.expand_dims(gl.expand_dims(c4, 3), 4), a)[0]], dtype=gl.float32, is_pure=True, pack=4 * KT * MT)
+            new = gl.reduce(gl.reduce(d, 4, _first), 3, _first)  # slots 0-3 of each block: (warp, lane, block, reg)
+            acc = gl.where(group == q, gl.expand_dims(gl.convert_layout(new, gl.SliceLayout(2, O5)), 2), acc)
         if DEPTH == 1:
             a = a_n
             e = e_n
         else:
             a, e = _weights(w_ptr, meta_ptr, s_ptr, z_ptr, N, TILES, stride_wn, stride_mn, stride_sn, stride_zn,
-                            row0, chunk0 + c + 1, c + 1 < CHUNKS, warp, lane, pair, half, r, KT, GROUP, HAS_ZEROS, W4,
-                            num_warps, A5)
+                            row0, chunk0 + c + 1, c + 1 < CHUNKS, KT, MT, GROUP, HAS_ZEROS, W4, num_warps, A6)
 
-    # slot j of lane 4g + t, group q: weight row g + 8 (j // 2), row 8q + 2t + j % 2 of x
-    lane_o = _along4(32, 1, O4)
-    j_o = _along4(4, 3, O4)
-    o_row = row0 + 16 * _along4(num_warps, 0, O4) + lane_o // 4 + 8 * (j_o // 2)
+    # slot j of lane 4g + t, group q, block m of warp w: weight row 16 (MT w + m) + g + 8 (j // 2), row 8q + 2t + j % 2
+    # of x
+    lane_o = _along5(32, 1, O5)
+    j_o = _along5(4, 4, O5)
+    o_row = row0 + 16 * (MT * _along5(num_warps, 0, O5) + _along5(MT, 3, O5)) + lane_o // 4 + 8 * (j_o // 2)
     o_m = m0 + 8 * group + 2 * (lane_o % 4) + j_o % 2
     o_live = (o_m < M) & (o_row < N)
     _store_sums(acc, out_ptr, part_ptr, o_row, o_m, o_live, N, SPLIT, pid_k, stride_om, PARTIAL)

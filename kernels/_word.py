@@ -655,17 +655,21 @@ def sparse_mma_candidates(m: int, n: int, k: int, device: torch.device) -> list[
     return out
 
 
-SPARSE_GEMM_TILES = {2: ((8, 4, 1), (8, 4, 0), (16, 4, 0), (8, 8, 1), (16, 8, 0)),
-                     4: ((4, 4, 1), (8, 4, 1), (8, 4, 0), (4, 8, 1), (8, 8, 0)),
-                     8: ((4, 4, 1), (4, 4, 0), (4, 8, 1), (2, 8, 1), (8, 8, 1), (8, 4, 1))}
+SPARSE_GEMM_TILES = {2: ((8, 4, 1, 1), (8, 4, 0, 1), (16, 4, 0, 1), (8, 8, 1, 1), (16, 8, 0, 1), (4, 8, 1, 2),
+                         (4, 4, 1, 2)),
+                     4: ((4, 4, 1, 1), (8, 4, 1, 1), (8, 4, 0, 1), (4, 8, 1, 1), (8, 8, 0, 1), (4, 4, 1, 2),
+                         (2, 8, 1, 2)),
+                     8: ((4, 4, 1, 1), (4, 4, 0, 1), (4, 8, 1, 1), (2, 8, 1, 1), (8, 8, 1, 1), (8, 4, 1, 1),
+                         (2, 8, 1, 2), (2, 4, 1, 2), (4, 4, 1, 2))}
 # groups of 8 rows of x per program -> (32-column tiles per chunk, warps, next chunk's weights loaded before the
-# MMAs) of the 2:4 GEMM on sparse tensor cores; none spills (sm_90 SASS, plain and + INT4); 16-tile chunks at 4 groups
-# spill or take 255 registers
+# MMAs, blocks of 16 weight rows a warp) of the 2:4 GEMM on sparse tensor cores; none spills (sm_90 SASS, plain and
+# + INT4); 16-tile chunks at 4 groups, and 8-tile chunks with two blocks a warp, spill or take 255 registers
 
 
 def sparse_gemm_candidates(m: int, n: int, k: int, device: torch.device) -> list[WordConfig]:
     """Configs of the 2:4 GEMM ([Note: 2:4 GEMM on sparse tensor cores]) for ``m`` rows of ``x`` (more than 8): the
-    fewest groups of 8 rows per program that cover ``m`` (at most 8), each chunk depth and warp count with the one
+    fewest groups of 8 rows per program that cover ``m`` (at most 8), each chunk depth, warp count and number of
+    16-row blocks a warp (``block_n = 16 * warps * blocks``) with the one
     or two slice counts that first give a wave of programs; slices whose partials do not fit the workspace are left
     out."""
     from ._sparse_mma import MAX_GEMM_GROUPS
@@ -675,15 +679,15 @@ def sparse_gemm_candidates(m: int, n: int, k: int, device: torch.device) -> list
     tiles = k // 32
     sms = _sm_count(device.index or 0)
     out = []
-    for kt, warps, depth in SPARSE_GEMM_TILES[max(2, groups)]:
-        progs = m_groups * cdiv(n, 16 * warps)
+    for kt, warps, depth, blocks in SPARSE_GEMM_TILES[max(2, groups)]:
+        progs = m_groups * cdiv(n, 16 * warps * blocks)
         if progs > WORKSPACE_COUNTERS:
             continue
         splits = [sp for sp in (1, 2, 4, 8, 16, 32) if sp * kt <= max(kt, tiles)
                   and (sp == 1 or m * sp * n <= STATIONARY_WORKSPACE)]
         first = next((i for i, sp in enumerate(splits) if progs * sp >= sms), len(splits) - 1)
         for sp in splits[first:first + 2]:
-            c = WordConfig(8 * groups, 16 * warps, 8 * kt, sp, warps, prefetch=depth, sparse_mma=True)
+            c = WordConfig(8 * groups, 16 * warps * blocks, 8 * kt, sp, warps, prefetch=depth, sparse_mma=True)
             if c not in out:
                 out.append(c)
     return out
@@ -702,12 +706,13 @@ def run_sparse_mma(x, words, meta, c: WordConfig, *, n: int, s=None, z=None, gro
             ws = _stationary_workspace(x.device)
             if ws is None or not _workspace_fits(m * c.split_k * n, cdiv(m, c.block_m) * cdiv(n, c.block_n)):
                 return None
+        blocks = c.block_n // (16 * c.warps)
         if s is not None:
             return run_sparse_gemm_w4(x, words, meta, s, z, n=n, group=group, tiles_per_chunk=c.block_w // 8,
                                       groups=c.block_m // 8, split=c.split_k, warps=c.warps, depth=c.prefetch,
-                                      workspace=ws)
+                                      blocks=blocks, workspace=ws)
         return run_sparse_gemm(x, words, meta, n=n, tiles_per_chunk=c.block_w // 8, groups=c.block_m // 8,
-                               split=c.split_k, warps=c.warps, depth=c.prefetch, workspace=ws)
+                               split=c.split_k, warps=c.warps, depth=c.prefetch, blocks=blocks, workspace=ws)
     if c.split_k > 1:
         ws = _stationary_workspace(x.device)
         if ws is None or not _workspace_fits(m * c.split_k * n, cdiv(n, c.block_n * c.row_blocks)):

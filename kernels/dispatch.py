@@ -26,9 +26,11 @@ or + INT4, with bf16 ``x`` keeps ``gemv`` up to ``sparse_gemv_max_m`` rows where
 tensor cores runs ([Note: 2:4 GEMV on sparse tensor cores] in ``_sparse_mma_kernels``): the rows of
 ``x`` are that MMA's 8 columns, so 1 to 8 rows read the weights once. From 9 rows up to
 ``sparse_gemm_max_m`` the ``gemv`` path runs the 2:4 GEMM on sparse tensor cores instead ([Note: 2:4
-GEMM on sparse tensor cores] in ``_sparse_gemm_kernels``; H100, kernels run 146: 1.09-1.41x of bf16 at
-16 rows and 0.85-1.35x at 32, where split-K gave 0.73-0.86x and 0.50-0.57x); at 64 rows it lost
-to split-K on two shapes of three (0.53-0.90x against 0.68-0.79x), so 33 rows and up keep split-K.
+GEMM on sparse tensor cores] in ``_sparse_gemm_kernels``; H100, kernels runs 148-149: 1.10-1.41x of bf16
+at 16 rows, 0.89-1.33x at 32 and 0.63-1.06x at 64, where split-K gave 0.73-0.86x, 0.50-0.57x and
+0.68-0.79x; at 64 rows split-K still wins on 8192x8192 by 5-7 %, the GEMM on the larger shapes by
+16-38 %). From 128 rows plain 2:4 takes cuSPARSELt (``semi``) and 2:4 + INT4 goes dense (the GEMM
+gave 0.42-0.50x there against dense 0.42-0.46x).
 Shapes the word kernels cannot read, and the 2:4 formats above ``gemv_max_m``, use
 the generic skeleton: split-K keeps the GPU full when the output has few tiles. At
 medium ``M`` a tiled GEMM still saves bytes. At large ``M`` the matmul is compute-bound
@@ -61,7 +63,7 @@ class KernelPolicy:
     pipelined_dense_min_m: int = 1024  # INT4 / INT8 where the pipelined kernel runs ([Note: crossover])
     fragment_dense_min_m: int = 3072  # INT4 / INT8 where the register-operand kernel runs ([Note: crossover])
     sparse_gemv_max_m: int = 8  # 2:4 (plain, + INT4) keeps gemv up to here where it runs on sparse tensor cores
-    sparse_gemm_max_m: int = 32  # and from there up to here on the 2:4 GEMM on sparse tensor cores
+    sparse_gemm_max_m: int = 64  # and from there up to here on the 2:4 GEMM on sparse tensor cores
     force: str | None = None
 
     def __post_init__(self) -> None:

@@ -71,17 +71,18 @@ def test_fits_2_4_int4_with_groups_of_64_columns_and_int16_metadata(monkeypatch)
                                               group=128)
 
 
-def test_policy_keeps_2_4_on_gemv_up_to_32_rows_only_where_it_runs():
+def test_policy_keeps_2_4_on_gemv_up_to_64_rows_only_where_it_runs():
     policy = KernelPolicy()
     for m in (2, 4, 8):
         assert policy.path("sparse24", m, sparse_mma=True) == "gemv"
         assert policy.path("sparse24_w4a16", m, sparse_mma=True) == "gemv"
         assert policy.path("sparse24", m, sparse_mma=False) == "splitk"
         assert policy.path("w4a16", m, sparse_mma=True) == "wdot"  # other formats: unchanged
-    for m in (9, 16, 32):  # the 2:4 GEMM
+    for m in (9, 16, 32, 64):  # the 2:4 GEMM
         assert policy.path("sparse24", m, sparse_mma=True) == "gemv"
         assert policy.path("sparse24_w4a16", m, sparse_mma=True) == "gemv"
-    assert policy.path("sparse24", 33, sparse_mma=True) == "splitk"  # it lost to split-K at 64 rows (kernels runs 141-146)
+    assert policy.path("sparse24", 65, sparse_mma=True) == "tiled"  # the GEMM's cost grows with the rows
+    assert policy.path("sparse24_w4a16", 128, sparse_mma=True) == "dense"
     assert policy.path("sparse24", 4, words=False, sparse_mma=True) == "splitk"
     assert KernelPolicy(sparse_gemv_max_m=1, sparse_gemm_max_m=1).path("sparse24", 4, sparse_mma=True) == "splitk"
     assert KernelPolicy(sparse_gemm_max_m=8).path("sparse24", 9, sparse_mma=True) == "splitk"
@@ -131,11 +132,12 @@ def test_gemm_candidates_cover_the_rows_in_groups_of_8_and_fit_the_workspace(mon
     for m, n, k in ((9, 8192, 8192), (16, 28672, 8192), (32, 8192, 28672), (64, 8192, 8192), (130, 1000, 1056)):
         got = _word.sparse_gemm_candidates(m, n, k, gpu)
         groups = min(8, 1 << (-(-m // 8) - 1).bit_length())
-        assert got and all(c.sparse_mma and c.block_m == 8 * groups and c.block_n == 16 * c.warps for c in got)
+        assert got and all(c.sparse_mma and c.block_m == 8 * groups and c.block_n in (16 * c.warps, 32 * c.warps)
+                           for c in got)
         assert len(set(got)) == len(got)
         for c in got:
-            tiles = c.block_w // 8
-            assert (tiles, c.warps, c.prefetch) in _word.SPARSE_GEMM_TILES[max(2, groups)] and tiles % 2 == 0
+            tiles, blocks = c.block_w // 8, c.block_n // (16 * c.warps)
+            assert (tiles, c.warps, c.prefetch, blocks) in _word.SPARSE_GEMM_TILES[max(2, groups)] and tiles % 2 == 0
             assert c.split_k == 1 or m * c.split_k * n <= _word.STATIONARY_WORKSPACE
             assert -(-m // c.block_m) * -(-n // c.block_n) <= _word.WORKSPACE_COUNTERS
     # the slice counts start at the first that gives a wave of programs
@@ -188,6 +190,8 @@ def test_bad_gemm_arguments_are_refused_before_launch():
         _sparse_mma.run_sparse_gemm(x, words, meta, **{**args, "tiles_per_chunk": 3})
     with pytest.raises(ValueError, match="groups"):
         _sparse_mma.run_sparse_gemm(x, words, meta, **{**args, "groups": 3})
+    with pytest.raises(ValueError, match="blocks"):
+        _sparse_mma.run_sparse_gemm(x, words, meta, **args, blocks=4)
     with pytest.raises(ValueError, match="depth"):
         _sparse_mma.run_sparse_gemm(x, words, meta, **args, depth=2)
     with pytest.raises(ValueError, match="workspace"):
@@ -279,22 +283,29 @@ def test_compiles_for_hopper_to_one_sparse_mma_per_tile(tmp_path, kt, warps, dep
     assert loads.count("LDG.E.64") == 2 * kt * (depth + 1)
 
 
-@pytest.mark.parametrize("w4,kt,groups,warps,depth", [(False, 4, 8, 4, 1), (False, 8, 4, 4, 1), (True, 4, 8, 4, 1),
-                                                       (True, 8, 2, 4, 0)])
-def test_gemm_compiles_for_hopper_to_one_sparse_mma_per_tile_and_group(tmp_path, w4, kt, groups, warps, depth):
+@pytest.mark.parametrize("w4,kt,groups,warps,depth,blocks", [(False, 4, 8, 4, 1, 1), (False, 8, 4, 4, 1, 1),
+                                                              (True, 4, 8, 4, 1, 1), (True, 8, 2, 4, 0, 1),
+                                                              (False, 4, 8, 4, 1, 2), (True, 4, 8, 4, 1, 2)])
+def test_gemm_compiles_for_hopper_to_one_sparse_mma_per_tile_and_group(tmp_path, w4, kt, groups, warps, depth, blocks):
     """Chunks that ``_word.SPARSE_GEMM_TILES`` offers at 64, 32 and 16 rows: every group of 8 rows of x takes one
-    ``mma.sp`` per tile of the chunk, chained through the accumulator (no FADD in the loop), its ``B`` registers read
-    from shared memory in 16-byte loads; 2:4 + INT4 dequantizes each code byte once per chunk, not once per group (one
-    bf16 subtraction and one multiply per ``A`` register); nothing spills."""
-    const = dict(KT=kt, NT=groups, num_warps=warps, DEPTH=depth, W4=w4, GROUP=128, HAS_ZEROS=True)
+    ``mma.sp`` per tile of the chunk and block of 16 weight rows, chained through the accumulator (no FADD in the
+    loop), its ``B`` registers read from shared memory in 16-byte loads once for all of a warp's blocks; 2:4 + INT4
+    dequantizes each code byte once per chunk, not once per group (one bf16 subtraction and one multiply per ``A``
+    register); nothing spills."""
+    from zspeed.kernels._sparse_gemm_kernels import chain_asm
+
+    chain, chain_io = chain_asm(kt, blocks)
+    const = dict(KT=kt, NT=groups, MT=blocks, num_warps=warps, DEPTH=depth, W4=w4, GROUP=128, HAS_ZEROS=True,
+                 CHAIN=chain, CHAIN_IO=chain_io)
     got = _compiled(tmp_path, "sparse_gemm_kernel", **const)
     mmas = [rest for op, rest in got["ops"] if op.startswith("HMMA.SP.16832.F32.BF16")]
-    assert len(mmas) == groups * kt
+    assert len(mmas) == groups * kt * blocks
     selectors = [re.search(r"(0x[01])\s*$", rest.strip()).group(1) for rest in mmas]
-    assert selectors.count("0x0") == selectors.count("0x1") == groups * kt // 2
+    assert selectors.count("0x0") == selectors.count("0x1") == groups * kt * blocks // 2
     ops = [op for op, _ in got["ops"]]
     assert ops.count("LDS.128") == groups * kt
     bf16 = sum(op.startswith(("HFMA2.BF16", "HADD2.BF16", "HMUL2.BF16")) for op in ops)
-    assert bf16 == (2 * 2 * 4 * kt if w4 else 0)  # two per A register, in the prologue's chunk and the loop's next
+    # two per A register, in the prologue's chunk and the loop's next
+    assert bf16 == (2 * 2 * 4 * kt * blocks if w4 else 0)
     assert got["stack"] == 0 and got["local"] == 0 and got["regs"] <= 255
     assert not any(op.startswith(("LDL", "STL")) for op in ops)
