@@ -668,8 +668,8 @@ SPARSE_GEMM_TILES = {2: ((8, 4, 1, 1), (8, 4, 0, 1), (16, 4, 0, 1), (8, 8, 1, 1)
 
 def sparse_gemm_candidates(m: int, n: int, k: int, device: torch.device) -> list[WordConfig]:
     """Configs of the 2:4 GEMM ([Note: 2:4 GEMM on sparse tensor cores]) for ``m`` rows of ``x`` (more than 8): the
-    fewest groups of 8 rows per program that cover ``m`` (at most 8), each chunk depth, warp count and number of
-    16-row blocks a warp (``block_n = 16 * warps * blocks``) with the one
+    fewest groups of 8 rows per program that cover ``m`` (at most 8; the same for every ``m`` of a tuning bucket),
+    each chunk depth, warp count and number of 16-row blocks a warp (``block_n = 16 * warps * blocks``) with the one
     or two slice counts that first give a wave of programs; slices whose partials do not fit the workspace are left
     out."""
     from ._sparse_mma import MAX_GEMM_GROUPS
