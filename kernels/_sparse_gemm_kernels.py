@@ -49,8 +49,7 @@ import functools
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ._sparse_mma_kernels import (_MMA, _along4, _cta_barrier, _meta_index, _meta_regs, _store_sums, finish_run,
-                                  w4_codes)
+from ._sparse_mma_kernels import _MMA, _along4, _cta_barrier, _meta_regs, _store_sums, finish_run, w4_codes
 
 
 @functools.cache
@@ -114,14 +113,6 @@ def _along6(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _program(NT: gl.constexpr, ROWS: gl.constexpr):
-    """This program's (group of x rows, block of weight rows, slice) and its first row of ``x`` and of weights."""
-    pid_m = gl.program_id(0)
-    pid_r = gl.program_id(1)
-    return pid_m, pid_r, gl.program_id(2), pid_m * (8 * NT), pid_r * ROWS
-
-
-@gluon.jit
 def _along7(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
     """``arange(n)`` along ``dim`` of a 7-D tensor in ``layout``, built up from :func:`_along5`."""
     L6: gl.constexpr = gl.SliceLayout(6, layout)
@@ -135,12 +126,12 @@ def _along7(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _natural_x(x_ptr, M, TILES, stride_xm, m0, tile0, KT: gl.constexpr, NT: gl.constexpr, LN: gl.constexpr):
-    """One chunk of ``x`` read in natural order, 16 bytes a load, as ``(group, g, pair, tile of the pair, r % 2,
-    t // 2, 4 int32)``: a tile's 16 int32 columns are ``8 (r % 2) + 4 (t // 2) + 2 (r // 2) + t % 2`` for lane ``4g +
-    t``'s ``B`` register ``r`` ([Note: block order] in ``_sparse_mma_kernels``); then, in registers, the last axis
-    split as ``(r // 2, t % 2)`` and the axes renamed into fragment order: ``(group, lane, pair, tile, r // 2,
-    r % 2)``."""
+def _stage_x(x_ptr, M, TILES, stride_xm, m0, tile0, KT: gl.constexpr, NT: gl.constexpr, LN: gl.constexpr):
+    """One chunk of ``x`` as ``(NT, 32, KT / 2, 2, 4)``: group, lane, pair, tile of the pair, register. Read in natural
+    order, 16 bytes a load, as ``(group, g, pair, tile of the pair, r % 2, t // 2, 4 int32)``: a tile's 16 int32
+    columns are ``8 (r % 2) + 4 (t // 2) + 2 (r // 2) + t % 2`` for lane ``4g + t``'s ``B`` register ``r`` ([Note: block
+    order] in ``_sparse_mma_kernels``); then, in registers, the last axis is split as ``(r // 2, t % 2)`` and the axes
+    are renamed into fragment order."""
     q = _along7(NT, 0, LN)
     g = _along7(8, 1, LN)
     tile = tile0 + 2 * _along7(KT // 2, 2, LN) + _along7(2, 3, LN)
@@ -148,14 +139,8 @@ def _natural_x(x_ptr, M, TILES, stride_xm, m0, tile0, KT: gl.constexpr, NT: gl.c
     row = m0 + 8 * q + g
     v = gl.load(x_ptr + row * stride_xm + col, mask=(row < M) & (tile < TILES), other=0)
     v = gl.reshape(v, (NT, 8, KT // 2, 2, 2, 2, 2, 2))
-    # (q, g, u = t // 2, t % 2, pair, tile, r // 2, r % 2): lane 4g + 2u + t % 2
-    return gl.reshape(gl.permute(v, (0, 1, 5, 7, 2, 3, 6, 4)), (NT, 32, KT // 2, 2, 2, 2))
-
-
-@gluon.jit
-def _stage_x(x_ptr, M, TILES, stride_xm, m0, tile0, KT: gl.constexpr, NT: gl.constexpr, LN: gl.constexpr):
-    """One chunk of ``x`` as ``(NT, 32, KT / 2, 2, 4)``: group, lane, pair, tile of the pair, register."""
-    return gl.reshape(_natural_x(x_ptr, M, TILES, stride_xm, m0, tile0, KT, NT, LN), (NT, 32, KT // 2, 2, 4))
+    # (q, g, u = t // 2, t % 2, pair, tile, r // 2, r % 2): lane 4g + 2u + t % 2, register 2 (r // 2) + r % 2
+    return gl.reshape(gl.permute(v, (0, 1, 5, 7, 2, 3, 6, 4)), (NT, 32, KT // 2, 2, 4))
 
 
 def _dequant_asm() -> str:
@@ -254,7 +239,11 @@ def sparse_gemm_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, count_ptr
     # fragment order in shared memory: register, lane, tile of the pair, pair, group (the buffer outermost)
     SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [4, 1, 3, 2, 0])
     ROWS: gl.constexpr = 16 * MT * num_warps
-    pid_m, pid_r, pid_k, m0, row0 = _program(NT, ROWS)
+    pid_m = gl.program_id(0)
+    pid_r = gl.program_id(1)
+    pid_k = gl.program_id(2)
+    m0 = pid_m * (8 * NT)
+    row0 = pid_r * ROWS
 
     xs = gl.allocate_shared_memory(gl.int32, [2, NT, 32, KT // 2, 2, 4], SL)
     chunk0 = pid_k * CHUNKS

@@ -149,34 +149,6 @@ def sparse_gemm_fits(x: torch.Tensor, words: torch.Tensor, meta: torch.Tensor | 
     return sparse_mma_fits(one, words, meta)
 
 
-def _gemm_setup(name: str, x: torch.Tensor, like: torch.Tensor, *, n: int, tiles_per_chunk: int, groups: int,
-                split: int, warps: int, blocks: int, workspace):
-    """``(grid, tiles, split, chunks, runs, out, partials, counters, fix_k)`` of a 2:4 GEMM launch, checked first:
-    ``split`` slices of whole chunks of ``tiles_per_chunk`` tiles (fewer where that covers ``K``)."""
-    m, k = x.shape
-    tiles = k // TILE_K
-    if tiles_per_chunk % 2 or tiles_per_chunk < 2 or groups not in (1, 2, 4, 8) or warps not in (1, 2, 4, 8) \
-            or split < 1 or blocks not in (1, 2):
-        raise ValueError(f"{name}: tiles_per_chunk must be even, groups and warps 1, 2, 4 or 8, split >= 1, blocks 1 "
-                         f"or 2; got {tiles_per_chunk}, {groups}, {warps}, {split}, {blocks}")
-    chunks = cdiv(cdiv(tiles, split), tiles_per_chunk)
-    split = cdiv(tiles, chunks * tiles_per_chunk)
-    runs = cdiv(n, 16 * warps * blocks)
-    m_groups = cdiv(m, 8 * groups)
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    if split > 1:
-        if workspace is None:
-            raise ValueError(f"{name}: more than one slice of K needs the fix-up workspace (partials, counters)")
-        parts, counters = workspace
-        if m * split * n > parts.numel() or m_groups * runs > counters.numel():
-            raise ValueError(f"{name}: {m} rows x {split} slices x {n} partials (or {m_groups * runs} counters) do "
-                             f"not fit the workspace")
-    else:
-        parts, counters = out, like
-    return ((m_groups, runs, split), tiles, split, chunks, runs, out, parts, counters,
-            max(1, min(16, 4096 // (16 * warps * blocks))))
-
-
 def run_sparse_gemm(x: torch.Tensor, words: torch.Tensor, meta: torch.Tensor, *, n: int, tiles_per_chunk: int,
                     groups: int, split: int, warps: int, depth: int = 1, blocks: int = 1,
                     workspace: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -206,18 +178,35 @@ def run_sparse_gemm_w4(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor,
 def _launch_gemm(name: str, x: torch.Tensor, words: torch.Tensor, meta32: torch.Tensor, s: torch.Tensor | None,
                  z: torch.Tensor | None, *, n: int, group: int, tiles_per_chunk: int, groups: int, split: int,
                  warps: int, depth: int, blocks: int, workspace) -> torch.Tensor:
-    if depth not in (0, 1):
-        raise ValueError(f"{name}: depth must be 0 or 1, got {depth}")
-    grid, tiles, split, chunks, runs, out, parts, counters, fix_k = _gemm_setup(
-        name, x, words, n=n, tiles_per_chunk=tiles_per_chunk, groups=groups, split=split, warps=warps, blocks=blocks,
-        workspace=workspace)
-    w4 = s is not None
-    chain = _gemm_kernels().chain_asm(tiles_per_chunk, blocks)
-    ss = s if w4 else out
+    """The 2:4 GEMM, its arguments checked first: ``split`` slices of whole chunks of ``tiles_per_chunk`` tiles (fewer
+    where that covers ``K``), 2:4 + INT4 where ``s`` is given."""
+    m, k = x.shape
+    tiles = k // TILE_K
+    if tiles_per_chunk % 2 or tiles_per_chunk < 2 or groups not in (1, 2, 4, 8) or warps not in (1, 2, 4, 8) \
+            or split < 1 or blocks not in (1, 2) or depth not in (0, 1):
+        raise ValueError(f"{name}: tiles_per_chunk must be even, groups and warps 1, 2, 4 or 8, split >= 1, blocks 1 "
+                         f"or 2, depth 0 or 1; got {tiles_per_chunk}, {groups}, {warps}, {split}, {blocks}, {depth}")
+    chunks = cdiv(cdiv(tiles, split), tiles_per_chunk)
+    split = cdiv(tiles, chunks * tiles_per_chunk)
+    rows = 16 * warps * blocks
+    runs = cdiv(n, rows)
+    m_groups = cdiv(m, 8 * groups)
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if split > 1:
+        if workspace is None:
+            raise ValueError(f"{name}: more than one slice of K needs the fix-up workspace (partials, counters)")
+        parts, counters = workspace
+        if m * split * n > parts.numel() or m_groups * runs > counters.numel():
+            raise ValueError(f"{name}: {m} rows x {split} slices x {n} partials (or {m_groups * runs} counters) do "
+                             f"not fit the workspace")
+    else:
+        parts, counters = out, words
+    chain, chain_io = _gemm_kernels().chain_asm(tiles_per_chunk, blocks)
+    ss = s if s is not None else out
     zz = z if z is not None else ss
-    _gemm_kernels().sparse_gemm_kernel[grid](
-        x.view(torch.int32), words, meta32, ss, zz, parts, counters, out, x.shape[0], n, tiles, split, chunks, runs,
+    _gemm_kernels().sparse_gemm_kernel[(m_groups, runs, split)](
+        x.view(torch.int32), words, meta32, ss, zz, parts, counters, out, m, n, tiles, split, chunks, runs,
         x.stride(0) // 2, words.stride(0), meta32.stride(0), ss.stride(0), zz.stride(0), out.stride(0),
-        KT=tiles_per_chunk, NT=groups, MT=blocks, DEPTH=depth, W4=w4, GROUP=group, HAS_ZEROS=z is not None,
-        PARTIAL=split > 1, FIX_K=fix_k, CHAIN=chain[0], CHAIN_IO=chain[1], num_warps=warps)
+        KT=tiles_per_chunk, NT=groups, MT=blocks, DEPTH=depth, W4=s is not None, GROUP=group, HAS_ZEROS=z is not None,
+        PARTIAL=split > 1, FIX_K=max(1, min(16, 4096 // rows)), CHAIN=chain, CHAIN_IO=chain_io, num_warps=warps)
     return out

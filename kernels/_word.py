@@ -807,16 +807,17 @@ def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
         return out if c.split_k == 1 else out.to(x.dtype)
 
     key = ("gemv", fmt, group, z is not None, m_bucket(m), n, k, x.dtype)
-    tiles = gemv_candidates(fmt, m, n, kw, group, x.device)
+    tiles = gemv_candidates(fmt, m, n, kw, group, x.device)  # also the fallback of the other kernels
+    from ._sparse_mma import MAX_M
+
+    if fmt in (FMT_S24, FMT_S24W4) and m > MAX_M:  # more rows than the GEMV's MMA takes
+        from ._sparse_mma import sparse_gemm_fits
+
+        if sparse_gemm_fits(x, words, meta, w4=fmt == FMT_S24W4, s=s, z=z, group=group):  # the 2:4 GEMM alone
+            return launch(_pick(key, sparse_gemm_candidates(m, n, k, x.device), launch))
     stationary = stationary_candidates(fmt, m, n, kw, group, x.device)
     if fmt == FMT_S24 and meta_words(meta) is None:
         stationary = []  # metadata the x-stationary kernel cannot read as int32 words
-    if fmt in (FMT_S24, FMT_S24W4) and m > 8:
-        from ._sparse_mma import sparse_gemm_fits
-
-        w4 = fmt == FMT_S24W4
-        if sparse_gemm_fits(x, words, meta, w4=w4, s=s, z=z, group=group):  # the 2:4 GEMM: only its configs
-            return launch(_pick(key, sparse_gemm_candidates(m, n, k, x.device), launch))
     if fmt == FMT_S24:
         from ._sparse_mma import sparse_mma_fits
 
