@@ -80,7 +80,7 @@ def main() -> None:
                          "stationary": [c for c in stationary if not c.tma],
                          "tma": [c for c in stationary if c.tma],  # [Note: TMA weight stream]
                          "mma": _word.sparse_mma_candidates(m, n, k, x.device) if mma else
-                         [c for c in _word.sparse_mma_candidates(m, n, k, x.device) if c.prefetch == 0] if mma_w4
+                         _word.sparse_mma_w4_candidates(m, n, k, group, x.device) if mma_w4
                          else _word.sparse_gemm_candidates(m, n, k, x.device) if gemm
                          else []}
                 for kind, cands in kinds.items():

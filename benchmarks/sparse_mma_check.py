@@ -7,7 +7,7 @@ Small integer weights and activations (exact in bf16, and every sum exact in fp3
 masked), ``K`` not a multiple of a slice (tiles past ``K`` masked), 1 to 8 rows of ``x``, one and several slices,
 none, one or two blocks loaded ahead, whole and partial runs of rows; each output lands on memory just filled with
 NaN, so an element left unwritten fails. 2:4 + INT4: random codes, with and without zero points, scales that are
-powers of two (so that the reference's bf16 weights are exact), groups of 128 and 256 original columns. Prints one
+powers of two (so that the reference's bf16 weights are exact), groups of 64, 128 and 256 original columns. Prints one
 line per case and exits non-zero on any mismatch.
 """
 from __future__ import annotations
@@ -26,9 +26,11 @@ CONFIGS = ((1, 1, 1), (4, 2, 2), (2, 4, 2), (8, 1, 1), (4, 2, 0), (2, 4, 0), (1,
 # blocks ahead)
 
 
-W4_CASES = ((16, 128, 1, 2, 128, True), (64, 512, 8, 4, 128, False), (200, 384, 5, 2, 128, True),
-            (1000, 1024, 3, 8, 256, True), (1024, 8192, 1, 16, 128, True), (2048, 8192, 7, 8, 128, False))
-# (N, K, M, tiles per slice, group of original columns, zero points)
+W4_CASES = ((16, 128, 1, 4, 128, True), (64, 512, 8, 4, 128, False), (200, 384, 5, 8, 128, True),
+            (1000, 1024, 3, 8, 256, True), (1024, 8192, 1, 16, 128, True), (2048, 8192, 7, 8, 128, False),
+            (200, 320, 4, 2, 64, True), (96, 448, 8, 4, 64, False), (1000, 8192, 1, 16, 64, True))
+# (N, K, M, tiles per slice, group of original columns, zero points): stripes of 4 tiles for groups of 128 and
+# 256 columns, of 2 for 64 ([Note: INT4 stripes]); slices with a partial last one
 
 
 def _pattern(n: int, k: int) -> torch.Tensor:
@@ -53,13 +55,15 @@ def check_w4(ws) -> int:
     bad = 0
     for n, k, m, kt, group, zeros in W4_CASES:
         x, codes, meta, scales, z, ref = _w4_case(n, k, m, group, zeros)
-        for warps, rb, _ in CONFIGS:
+        for warps, rb, depth in CONFIGS:
+            depth = min(depth, 1)  # the 2:4 + INT4 GEMV loads at most one block ahead
             torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)  # freed: the output lands on it
             out = run_sparse_mma_w4(x, codes.view(torch.int32), meta.view(torch.int16), scales, z, n=n, group=group,
-                                    tiles_per_slice=kt, row_blocks=rb, warps=warps, workspace=ws).float()
+                                    tiles_per_slice=kt, row_blocks=rb, warps=warps, depth=depth, workspace=ws).float()
             ok = torch.equal(out, ref)
             bad += not ok
-            print(f"2:4+INT4 g{group} zeros={zeros} N={n} K={k} M={m} tiles/slice={kt} warps={warps} row blocks={rb}: "
+            print(f"2:4+INT4 g{group} zeros={zeros} N={n} K={k} M={m} tiles/slice={kt} warps={warps} row blocks={rb} "
+                  f"ahead={depth}: "
                   + ("exact" if ok else f"MISMATCH (max {(out - ref).abs().max().item()}, "
                                         f"{out.isnan().sum().item()} NaN)"), flush=True)
     return bad

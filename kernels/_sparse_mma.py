@@ -56,10 +56,10 @@ def _setup(name: str, x: torch.Tensor, like: torch.Tensor, *, n: int, tiles_per_
     m, k = x.shape
     tiles = k // TILE_K
     split = cdiv(tiles, tiles_per_slice)
-    if tiles_per_slice % 2 or tiles_per_slice < 2 or row_blocks < 1 or row_blocks & (row_blocks - 1) \
-            or warps not in (1, 2, 4, 8):
-        raise ValueError(f"{name}: tiles_per_slice must be even (two tiles share a metadata register), row_blocks a "
-                         f"power of two, warps 1, 2, 4 or 8; got {tiles_per_slice}, {row_blocks}, {warps}")
+    if tiles_per_slice < 2 or tiles_per_slice & (tiles_per_slice - 1) or row_blocks < 1 \
+            or row_blocks & (row_blocks - 1) or warps not in (1, 2, 4, 8):
+        raise ValueError(f"{name}: tiles_per_slice must be a power of two from 2 (two tiles share a metadata register), "
+                         f"row_blocks a power of two, warps 1, 2, 4 or 8; got {tiles_per_slice}, {row_blocks}, {warps}")
     if split > 1 and workspace is None:
         raise ValueError(f"{name}: more than one slice of K needs the fix-up workspace (partials, counters)")
     run = 16 * warps * row_blocks
@@ -96,31 +96,56 @@ def sparse_mma_w4_fits(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor 
     if meta is None or x.dtype != torch.bfloat16 or not 1 <= x.shape[0] <= MAX_M or x.stride(1) != 1:
         return False
     k = x.shape[1]
-    if k % TILE_K or group % 64 or x.stride(0) % 2 or x.data_ptr() % 4 or codes.stride(1) != 1 \
+    if group % 64 or k % (TILE_K * w4_stripe(group)) or x.stride(0) % 2 or x.data_ptr() % 4 or codes.stride(1) != 1 \
             or codes.shape[1] * 16 != k or s.dim() != 2 or (z is not None and (z.dtype != torch.uint8 or z.dim() != 2)):
         return False
+    # a lane reads 2 bytes of codes a tile and every lane the stripe's 4 bytes of positions a tile, in one vector each
+    stripe = w4_stripe(group)
+    if (codes.stride(0) * 4) % (2 * stripe) or codes.data_ptr() % 16:
+        return False
     if meta.dtype != torch.int16 or meta.dim() != 2 or meta.stride(1) != 1 or meta.shape[1] * 16 != k \
-            or meta.stride(0) % 2 or meta.data_ptr() % 4:
+            or (meta.stride(0) * 2) % (4 * stripe) or meta.data_ptr() % 16:
         return False
     return sparse_mma_possible(x.device)
 
 
+def w4_stripe(group: int) -> int:
+    """Tiles a stripe of the 2:4 + INT4 GEMV ([Note: INT4 stripes] in ``_sparse_mma_kernels``): 4 where the groups
+    hold 128 original columns or a multiple, else 2; a stripe lies in one group."""
+    return 4 if group % 128 == 0 else 2
+
+
+@functools.cache
+def _w4_asm(stripe: int) -> tuple[str, str]:
+    return _kernels().w4_stripe_asm(stripe)
+
+
 def run_sparse_mma_w4(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,
-                      *, n: int, group: int, tiles_per_slice: int, row_blocks: int, warps: int,
+                      *, n: int, group: int, tiles_per_slice: int, row_blocks: int, warps: int, depth: int = 0,
                       workspace: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """2:4 + INT4 ``x @ densify(dequant(codes), meta)^T`` in bf16 (:func:`sparse_mma_w4_fits`; ``codes`` and ``meta``
-    as the ``gemv`` path views them: int32 and int16 words); slices, runs and workspace as :func:`run_sparse_mma`."""
+    as the ``gemv`` path views them: int32 and int16 words); slices, runs and workspace as :func:`run_sparse_mma`,
+    ``depth`` 0 or 1 blocks loaded ahead."""
+    if depth not in (0, 1):
+        raise ValueError(f"run_sparse_mma_w4: depth must be 0 or 1, got {depth}")
     m = x.shape[0]
+    stripe = w4_stripe(group)
+    if tiles_per_slice % stripe or tiles_per_slice & (tiles_per_slice - 1):
+        raise ValueError(f"run_sparse_mma_w4: tiles_per_slice must be a power of two and a multiple of the stripe "
+                         f"({stripe} tiles for groups of {group} columns), got {tiles_per_slice}")
     tiles, split, run, out, parts, counters, fix_k = _setup("run_sparse_mma_w4", x, codes, n=n,
                                                             tiles_per_slice=tiles_per_slice, row_blocks=row_blocks,
                                                             warps=warps, workspace=workspace)
     zz = z if z is not None else s
     meta32 = meta.view(torch.int32)
+    lanes = codes.view(torch.int64) if stripe == 4 else codes  # a lane's codes of a stripe: 8 or 4 bytes
+    asm, io = _w4_asm(stripe)
     _kernels().sparse_mma_w4_kernel[(cdiv(n, run), split)](
-        x.view(torch.int32), codes.view(torch.int16), meta32, s, zz, parts, counters, out, m, n, tiles, split,
-        x.stride(0) // 2, codes.stride(0) * 2, meta32.stride(0), s.stride(0), zz.stride(0), out.stride(0),
-        GROUP=group, HAS_ZEROS=z is not None, KT=tiles_per_slice, ROW_BLOCKS=row_blocks, PARTIAL=split > 1,
-        FIX_K=fix_k, num_warps=warps)
+        x.view(torch.int32), lanes, meta32, s, zz, parts, counters, out, m, n, tiles, split,
+        x.stride(0) // 2, lanes.stride(0), meta32.stride(0), s.stride(0), zz.stride(0), out.stride(0),
+        GROUP=group, HAS_ZEROS=z is not None, KT=tiles_per_slice, STRIPE=stripe, ROW_BLOCKS=row_blocks,
+        DEPTH=depth, EVEN_K=tiles % tiles_per_slice == 0, PARTIAL=split > 1, FIX_K=fix_k, ASM=asm, ASM_IO=io,
+        num_warps=warps)
     return out
 
 

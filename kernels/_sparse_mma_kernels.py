@@ -35,15 +35,29 @@ the weight rows need no shuffling: the format of ``compress.nm`` is already the 
   by the run's last program ([Note: split-K fix-up] in ``_word``).
 
 [Note: 2:4 + INT4 on sparse tensor cores] ``sparse_mma_w4_kernel`` runs the same schedule on INT4 kept values
-(``compress`` stores a block's two codes in one byte, first kept value in the low nibble). Lane ``4g + t``'s stored
-blocks ``2t`` and ``2t + 1`` of a tile are one 16-bit load per row; the rows ``g`` and ``g + 8`` are joined into one
-register, and each block becomes its ``A`` register in four instructions: a byte permute isolates the byte, a
-multiply by ``0x1001`` copies its high nibble to bit 16, a LOP3 masks both nibbles into ``0x4300`` (the bf16 pair
-``(128 + code, 128 + code')``) and one ``fma.bf16x2`` by 1 minus ``128 + zero`` makes it ``code - zero``, exact. The
-group's scale (a pair of tiles lies in one group: groups of a multiple of 64 original columns) multiplies the pair's
-fp32 sums. On an H100 (RESULTS, kernels runs 77-78) it runs 1.59-1.70x of bf16 at four rows where the split-K path
-ran 0.73-0.76x, but at one row 1.76-1.95x against the x-stationary kernel's 2.01-2.09x: its weight bytes per warp
-are a quarter of plain 2:4's and its loads 2 bytes wide, so the tuner keeps the x-stationary kernel there.
+(``compress`` stores a block's two codes in one byte, first kept value in the low nibble). Each block becomes its
+``A`` register in three instructions: a byte permute takes the byte and, from the word shifted right by a nibble,
+its high nibble into bits 16-19; a LOP3 masks both nibbles into ``0x4300`` (the bf16 pair ``(128 + code, 128 +
+code')``) and one ``fma.bf16x2`` by 1 minus ``128 + zero`` makes it ``code - zero``, exact. The group's scale
+multiplies the fp32 sums of a stripe (below), which lies in one group.
+
+[Note: INT4 stripes] Read a tile at a time, a lane's INT4 share of a tile is 2 bytes a row (blocks ``2t`` and ``2t +
+1``, as [Note: block order] places them), and the first version loaded just that, with the metadata, scales and zero
+points per tile or pair: on an H100 it ran at 29 % of DRAM bandwidth with the L1 87 % busy (ncu, kernels run 151),
+slower at one row than the x-stationary kernel. So the kernel walks ``K`` in *stripes* of 4 tiles (2 where the groups
+are 64 columns). With ``S`` tiles a stripe, lane ``t`` takes the stripe's stored blocks ``2 S t`` to ``2 S t + 2 S -
+1``, so its codes of a row are one 8-byte load (4 bytes for a stripe of 2), and tile ``s`` of the stripe gets stored
+blocks ``2 S t + 2s`` and ``2 S t + 2s + 1`` as its logical blocks ``t`` and ``t + 4``. In
+general logical block ``L`` of tile ``s`` is stored block ``2 S (L % 4) + 2s + L // 4``: the products are the same as
+long as ``x`` (loaded once, any order is free) and the metadata follow. The metadata register of a pair of tiles needs
+one nibble of four bytes that lie ``S`` apart, so every lane of a quad loads the stripe's positions of both rows in
+one vector (16 bytes) and gathers its bytes with byte permutes. Scales and zero points are one load a stripe and row.
+A stripe's MMAs chain through the accumulators in one inline-asm call (``w4_stripe_asm``). Loads a stripe and row:
+one of codes, one of positions, one scale, one zero point, where the tile-wise version made 8, 4, 2 and 8.
+
+On an H100 (kernels run 152, same process, bf16 55.7 / 174.9 / 172.5 us) one row runs 2.44x of bf16 on 8192x8192,
+2.81x on 8192x28672 and 2.67x on 28672x8192, where the x-stationary kernel (the tuner's pick before) ran 2.00 / 2.11 /
+2.07x; four rows 2.16 / 2.53 / 2.41x, eight rows 1.92 / 2.18 / 1.94x.
 
 Tiles past ``K`` and rows past ``N`` read zero values with a valid position pair (0, 1), since an invalid one is
 undefined behaviour for the instruction. Positions must be sorted and distinct within a block, as ``compress.nm``
@@ -79,30 +93,62 @@ _ASM_IO = gl.constexpr(",".join(["=f"] * 8 + ["r"] * 24))
 _ASM_META = gl.constexpr("prmt.b32 $0, $1, $2, 0x6420;")
 
 
-def _w4_pair_asm() -> str:
-    """2:4 + INT4, one pair of tiles: ``$4`` / ``$5`` the even / odd tile's codes, rows ``g`` (low 16 bits) and
-    ``g + 8`` (high), byte ``k`` of each half a block (its two kept codes, first in the low nibble); ``$6``-``$13`` the
-    four ``B`` registers of both tiles at ``6 + 2i + tile``; ``$14`` the metadata; ``$16``-``$19`` ``-(128 + zero)``
-    in both bf16 halves, rows ``g`` (``$16 + tile``) and ``g + 8`` (``$18 + tile``). A block's byte becomes the bf16
-    pair ``(128 + code, 128 + code')`` (the byte, the byte times 4096 for its high nibble, masked into 0x4300) and
-    then ``code - zero`` exactly. Out: ``$0``, ``$1`` row ``g`` times rows ``2t``, ``2t + 1`` of ``x``; ``$2``, ``$3``
-    row ``g + 8``."""
-    lines = ["{", ".reg .b32 zr, one, y, a<4>;", ".reg .f32 e<4>, z;", "mov.b32 zr, 0;", "mov.b32 one, 0x3F803F80;",
-             "mov.f32 z, 0f00000000;"]
-    for tile in range(2):
-        # A register: (row g, block 2t), (row g + 8, block 2t), (row g, block 2t + 1), (row g + 8, block 2t + 1)
-        for reg, (byte, nz) in enumerate(((0, 16), (2, 18), (1, 16), (3, 18))):
-            lines += [f"prmt.b32 y, ${4 + tile}, zr, 0x444{byte};", "mul.lo.u32 y, y, 0x1001;",
-                      f"lop3.b32 y, y, 0x000F000F, 0x43004300, 0xEA;", f"fma.rn.bf16x2 a{reg}, y, one, ${nz + tile};"]
-        acc = "z, z, z, z" if tile == 0 else "e0, e1, e2, e3"
-        lines.append(f"{_MMA} {{e0, e1, e2, e3}}, {{a0, a1, a2, a3}}, {{${6 + tile}, ${8 + tile}, ${10 + tile}, "
-                     f"${12 + tile}}}, {{{acc}}}, $14, 0x{tile};")
+def w4_stripe_asm(stripe: int) -> tuple[str, str]:
+    """2:4 + INT4, one stripe of ``stripe`` (2 or 4) tiles ([Note: INT4 stripes]): the inline asm and its constraints,
+    for ``pack=stripe``. Operands in order, ``stripe`` registers each (a broadcast value: only its first is read):
+    the lane's code words of rows ``g`` and ``g + 8`` (one 64-bit load each for 4 tiles, a 32-bit one for 2), the four
+    ``B`` registers of every tile, the stripe's metadata words of both rows, ``-(128 + zero)`` in both bf16 halves of
+    both rows, and the lane value ``t // 2 + 4 (t % 2)``. Out: the stripe's sums, row ``g`` times rows ``2t``,
+    ``2t + 1`` of ``x``, then row ``g + 8``. A kept pair's byte becomes the bf16 pair ``(128 + code, 128 + code')``
+    (one byte permute of the word and of the word shifted by a nibble, masked into 0x4300) and then ``code - zero``
+    exactly."""
+    if stripe not in (2, 4):
+        raise ValueError(f"w4_stripe_asm: a stripe has 2 or 4 tiles, got {stripe}")
+    nxt = iter(range(4, 4 + 11 * stripe))
+    cg, ch = ([next(nxt) for _ in range(stripe)] for _ in range(2))
+    b = [[next(nxt) for _ in range(stripe)] for _ in range(4)]
+    mg, mh, nzg, nzh, lane = ([next(nxt) for _ in range(stripe)] for _ in range(5))
+    lines = ["{", ".reg .b32 zr, one, y, a<4>, cg<2>, ch<2>, cg0s, cg1s, ch0s, ch1s, t2, n4, sel, u, v, xg, xh;",
+             ".reg .b32 m<2>;", ".reg .f32 e<4>, z;", "mov.b32 zr, 0;", "mov.b32 one, 0x3F803F80;",
+             "mov.f32 z, 0f00000000;", f"and.b32 t2, ${lane[0]}, 1;", f"and.b32 n4, ${lane[0]}, 4;"]
+    if stripe == 4:
+        lines += [f"mov.b64 {{cg0, cg1}}, ${cg[0]};", f"mov.b64 {{ch0, ch1}}, ${ch[0]};"]
+    else:
+        lines += [f"mov.b32 cg0, ${cg[0]};", f"mov.b32 ch0, ${ch[0]};"]
+    words = [f"{row}{w}" for w in range(stripe // 2) for row in ("cg", "ch")]
+    lines += [f"shr.b32 {w}s, {w}, 4;" for w in words]  # each byte's high nibble in its low nibble
+    for pair in range(stripe // 2):
+        # the pair's tile s = 2 pair + t // 2; its logical blocks 4n .. 4n + 3 (n = t % 2) are stored blocks
+        # 2 stripe u + 2s + n: nibble n of byte stripe u + s of the stripe's metadata, u = 0 .. 3
+        if stripe == 4:
+            lines.append(f"mad.lo.u32 sel, t2, 17, {34 * pair + 64};")  # byte s of two words
+            for words, dst in ((mg, "xg"), (mh, "xh")):
+                lines += [f"prmt.b32 u, ${words[0]}, ${words[1]}, sel;", f"prmt.b32 v, ${words[2]}, ${words[3]}, sel;",
+                          f"prmt.b32 {dst}, u, v, 0x5410;"]
+        else:
+            lines.append("mad.lo.u32 sel, t2, 0x1111, 0x6420;")  # bytes s, s + 2 of both words
+            lines += [f"prmt.b32 xg, ${mg[0]}, ${mg[1]}, sel;", f"prmt.b32 xh, ${mh[0]}, ${mh[1]}, sel;"]
+        for dst in ("xg", "xh"):  # nibble n of each byte, then two blocks a byte in bytes 0 and 2
+            lines += [f"shr.b32 {dst}, {dst}, n4;", f"shr.b32 u, {dst}, 4;",
+                      f"lop3.b32 {dst}, {dst}, u, 0x0F0F0F0F, 0xE4;"]  # (dst & mask) | (u & ~mask)
+        lines.append(f"prmt.b32 m{pair}, xg, xh, 0x6420;")
+    for s in range(stripe):
+        word, byte = s // 2, 2 * (s % 2)  # tile s: bytes 2 (s % 2) (logical block t) and + 1 (t + 4) of a word
+        # A register: (row g, block t), (row g + 8, block t), (row g, block t + 4), (row g + 8, block t + 4)
+        for reg, (src, bt, nz) in enumerate(((f"cg{word}", byte, nzg), (f"ch{word}", byte, nzh),
+                                            (f"cg{word}", byte + 1, nzg), (f"ch{word}", byte + 1, nzh))):
+            # the byte's low nibble in bits 0-3, its high nibble in bits 16-19
+            lines += [f"prmt.b32 y, {src}, {src}s, 0x{4 + bt}{4 + bt}{bt}{bt};",
+                      "lop3.b32 y, y, 0x000F000F, 0x43004300, 0xEA;", f"fma.rn.bf16x2 a{reg}, y, one, ${nz[0]};"]
+        acc = "z, z, z, z" if s == 0 else "e0, e1, e2, e3"
+        lines.append(f"{_MMA} {{e0, e1, e2, e3}}, {{a0, a1, a2, a3}}, {{${b[0][s]}, ${b[1][s]}, ${b[2][s]}, "
+                     f"${b[3][s]}}}, {{{acc}}}, m{s // 2}, 0x{s % 2};")
     lines += ["mov.f32 $0, e0;", "mov.f32 $1, e1;", "mov.f32 $2, e2;", "mov.f32 $3, e3;", "}"]
-    return "\n".join(lines)
+    code = "l" if stripe == 4 else "r"
+    io = ["=f"] * 4 + [code] * (2 * stripe) + ["r"] * (9 * stripe)
+    return "\n".join(lines), ",".join(io)
 
 
-_ASM_W4_PAIR = gl.constexpr(_w4_pair_asm())
-_ASM_W4_IO = gl.constexpr(",".join(["=f"] * 4 + ["r"] * 16))
 _VALID = gl.constexpr(0x44444444)  # eight blocks whose kept positions are (0, 1): what masked metadata reads
 
 
@@ -306,73 +352,122 @@ def w4_codes(w_ptr, z_ptr, ra, col, z_col, live, N, stride_wn, stride_zn, HAS_ZE
 
 
 @gluon.jit
+def _w4_block(w_ptr, meta_ptr, s_ptr, z_ptr, rows, a_row, a_col, g_col, m_row, m_col, N, stride_wn, stride_mn,
+              stride_sn, stride_zn, HAS_ZEROS: gl.constexpr):
+    """A block's operands of every stripe of the slice, rows ``g`` and ``g + 8`` each: the lane's codes, the stripe's
+    positions, zero points (int32) and scales (fp32). Unmasked ([Note: INT4 stripes]): rows from ``N`` on read row
+    ``N - 1`` (their sums are not stored); the callers clamp the stripes past ``K`` the same way."""
+    rg = gl.minimum(rows + a_row, N - 1)
+    rh = gl.minimum(rows + a_row + 8, N - 1)
+    mg = gl.load(meta_ptr + gl.minimum(rows + m_row, N - 1) * stride_mn + m_col)
+    mh = gl.load(meta_ptr + gl.minimum(rows + m_row + 8, N - 1) * stride_mn + m_col)
+    if HAS_ZEROS:
+        zg = gl.load(z_ptr + rg * stride_zn + g_col).to(gl.int32)
+        zh = gl.load(z_ptr + rh * stride_zn + g_col).to(gl.int32)
+    else:
+        zg = gl.zeros_like(a_col) + 8
+        zh = zg
+    sg = gl.load(s_ptr + rg * stride_sn + g_col).to(gl.float32)
+    sh = gl.load(s_ptr + rh * stride_sn + g_col).to(gl.float32)
+    return gl.load(w_ptr + rg * stride_wn + a_col), gl.load(w_ptr + rh * stride_wn + a_col), mg, mh, zg, zh, sg, sh
+
+
+@gluon.jit
 def sparse_mma_w4_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_ptr, M, N, TILES, SPLIT,
                          stride_xm, stride_wn, stride_mn, stride_sn, stride_zn, stride_om, GROUP: gl.constexpr,
-                         HAS_ZEROS: gl.constexpr, KT: gl.constexpr, ROW_BLOCKS: gl.constexpr, PARTIAL: gl.constexpr,
-                         FIX_K: gl.constexpr, num_warps: gl.constexpr):
+                         HAS_ZEROS: gl.constexpr, KT: gl.constexpr, STRIPE: gl.constexpr, ROW_BLOCKS: gl.constexpr,
+                         DEPTH: gl.constexpr, EVEN_K: gl.constexpr, PARTIAL: gl.constexpr, FIX_K: gl.constexpr,
+                         ASM: gl.constexpr, ASM_IO: gl.constexpr, num_warps: gl.constexpr):
     """2:4 + INT4: ``out[M, N] = x @ densify(dequant(codes), meta)^T`` for ``M <= 8`` ([Note: 2:4 GEMV on sparse
-    tensor cores], [Note: 2:4 + INT4 on sparse tensor cores]).
+    tensor cores], [Note: 2:4 + INT4 on sparse tensor cores], [Note: INT4 stripes]).
 
-    ``w_ptr``: the kept values' codes (N, K / 4) uint8 read as int16 (two blocks each); ``s_ptr`` / ``z_ptr``: scales
-    and zero points (uint8; ``HAS_ZEROS`` false: 8) per (row, group of ``GROUP`` original columns, a multiple of 64);
-    the rest as ``sparse_mma_kernel`` with nothing loaded ahead."""
-    L4: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, KT // 2, 2], threads_per_warp=[1, 32, 1, 1],
+    ``w_ptr``: the kept values' codes (N, K / 4) uint8 read as int64 (stripes of 4 tiles) or int32 (2), a lane's part
+    of a stripe each; ``meta_ptr``: the positions (N, K / 8) uint8 read as int32 words; ``s_ptr`` / ``z_ptr``: scales
+    and zero points (uint8; ``HAS_ZEROS`` false: 8) per (row, group of ``GROUP`` original columns, a multiple of
+    ``32 * STRIPE``); ``ASM`` / ``ASM_IO``: ``w4_stripe_asm(STRIPE)``. ``KT`` (a multiple of ``STRIPE``) tiles a slice;
+    ``DEPTH`` 1 loads the next block's operands while this one multiplies (0: each where it is used); ``EVEN_K``: the
+    slices are whole (``KT`` divides ``TILES``); the rest as ``sparse_mma_kernel``."""
+    Q: gl.constexpr = KT // STRIPE  # stripes a slice
+    L4: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, Q, STRIPE], threads_per_warp=[1, 32, 1, 1],
                                         warps_per_cta=[num_warps, 1, 1, 1], order=[3, 2, 1, 0])
-    M3: gl.constexpr = gl.SliceLayout(3, L4)  # per pair of tiles
-    O3: gl.constexpr = gl.SliceLayout(2, L4)  # per accumulator slot k: row 2t + k of x
+    Q3: gl.constexpr = gl.SliceLayout(3, L4)  # per stripe
+    O3: gl.constexpr = gl.SliceLayout(2, L4)  # per accumulator slot
     ROWS: gl.constexpr = 16 * num_warps
     pid_r = gl.program_id(0)
     pid_k = gl.program_id(1)
+    stripes = TILES // STRIPE
 
-    # axis 2: the pair of tiles p, axis 3 the tile of the pair
-    warp = _along4(num_warps, 0, L4)
+    # B: axis 2 the stripe q, axis 3 its tile s; register i holds logical block L = t // 2 + 2i of the tile, stored
+    # block 2 STRIPE (L % 4) + 2s + L // 4 of the stripe ([Note: INT4 stripes])
     lane = _along4(32, 1, L4)
     g = lane // 4
     t = lane % 4
-    tile = pid_k * KT + 2 * _along4(KT // 2, 2, L4) + _along4(2, 3, L4)
-    live = tile < TILES
-    xmask = (g < M) & live
-    xrow = x_ptr + g * stride_xm + tile * 16 + t % 2
-    # B register i: logical block t // 2 + 2i, stored block 2 (L % 4) + L // 4 ([Note: block order])
-    b0 = gl.load(xrow + 2 * (2 * ((t // 2) % 4) + (t // 2) // 4), mask=xmask, other=0)
-    b1 = gl.load(xrow + 2 * (2 * ((t // 2 + 2) % 4) + (t // 2 + 2) // 4), mask=xmask, other=0)
-    b2 = gl.load(xrow + 2 * (2 * ((t // 2 + 4) % 4) + (t // 2 + 4) // 4), mask=xmask, other=0)
-    b3 = gl.load(xrow + 2 * (2 * ((t // 2 + 6) % 4) + (t // 2 + 6) // 4), mask=xmask, other=0)
-    a_row = 16 * warp + g
-    a_col = tile * 4 + t  # the int16 holding stored blocks 2t and 2t + 1 of the tile
+    q = pid_k * Q + _along4(Q, 2, L4)
+    s = _along4(STRIPE, 3, L4)
+    xmask = (g < M) & (q < stripes)
+    xrow = x_ptr + g * stride_xm + q * (16 * STRIPE) + 4 * s + t % 2
+    t2 = t // 2
+    b0 = gl.load(xrow + 2 * (2 * STRIPE * (t2 % 4) + t2 // 4), mask=xmask, other=0)
+    b1 = gl.load(xrow + 2 * (2 * STRIPE * ((t2 + 2) % 4) + (t2 + 2) // 4), mask=xmask, other=0)
+    b2 = gl.load(xrow + 2 * (2 * STRIPE * ((t2 + 4) % 4) + (t2 + 4) // 4), mask=xmask, other=0)
+    b3 = gl.load(xrow + 2 * (2 * STRIPE * ((t2 + 6) % 4) + (t2 + 6) // 4), mask=xmask, other=0)
+    lane_v = gl.zeros_like(b0) + (t2 + 4 * (t % 2))
+    # metadata: both rows' words of each stripe, every lane of a quad the same STRIPE words (one vector load); the
+    # weights are read unmasked: stripes past K read the last one (x is zero there), rows past N row N - 1
+    # (EVEN_K: every slice whole, nothing to clamp, and a slice's scales of a row contiguous: one vector load)
+    m_row = 16 * _along4(num_warps, 0, L4) + g
+    lane3 = _along3(32, 1, Q3)
+    q3 = pid_k * Q + _along3(Q, 2, Q3)
+    if EVEN_K:
+        m_col = q * STRIPE + s
+    else:
+        m_col = gl.minimum(q, stripes - 1) * STRIPE + s
+        q3 = gl.minimum(q3, stripes - 1)
+    # codes, scales, zero points: one per stripe and row
+    a_row = 16 * _along3(num_warps, 0, Q3) + lane3 // 4
+    a_col = q3 * 4 + lane3 % 4
+    g_col = q3 // (GROUP // (32 * STRIPE))
 
-    m_row, m_tile, m_live, m_shift = _meta_index(pid_k, TILES, KT, num_warps, M3)
-    # the pair's group: both tiles lie in it (GROUP a multiple of 64)
-    s_col = (pid_k * KT + 2 * _along3(KT // 2, 2, M3)) * 32 // GROUP
-    s_row = m_row
-    z_col = tile * 32 // GROUP
-
+    # slot j of a sum: weight row g + 8 (j // 2), row 2t + j % 2 of x (two slots a stripe of 2: row g, then g + 8)
     lane_o = _along3(32, 1, O3)
-    k_o = _along3(2, 2, O3)
-    o_row = 16 * _along3(num_warps, 0, O3) + lane_o // 4
-    o_m = 2 * (lane_o % 4) + k_o
+    slot = _along3(STRIPE, 2, O3)
+    o_row = 16 * _along3(num_warps, 0, O3) + lane_o // 4 + 8 * (slot // 2)
+    o_m = 2 * (lane_o % 4) + slot % 2
     o_live = o_m < M
 
     row0 = pid_r * (ROWS * ROW_BLOCKS)
-    for b in range(ROW_BLOCKS):
-        rows = row0 + b * ROWS
-        ra = rows + a_row
-        codes, z0, z1 = w4_codes(w_ptr, z_ptr, ra, a_col, z_col, live, N, stride_wn, stride_zn, HAS_ZEROS)
-        e = gl.expand_dims(_meta_regs(meta_ptr, rows, m_row, m_tile, m_live, m_shift, N, stride_mn), 3)
-        nz0 = (z0 | 0xC300) * 0x10001  # -(128 + zero) in both halves
-        nz1 = (z1 | 0xC300) * 0x10001
-        sr = rows + s_row
-        s0 = gl.load(s_ptr + sr * stride_sn + s_col, mask=(sr < N) & m_live, other=0.0).to(gl.float32)
-        s1 = gl.load(s_ptr + (sr + 8) * stride_sn + s_col, mask=(sr + 8 < N) & m_live, other=0.0).to(gl.float32)
-        d0, d1 = gl.inline_asm_elementwise(_ASM_W4_PAIR, _ASM_W4_IO,
-                                           [codes, b0, b1, b2, b3, gl.broadcast(e, codes)[0], nz0, nz1],
-                                           dtype=(gl.float32, gl.float32), is_pure=True, pack=2)
-        acc0 = gl.sum(d0 * gl.expand_dims(s0, 3), axis=2)  # (W, 32, 2): row g times rows 2t, 2t + 1 of x
-        acc1 = gl.sum(d1 * gl.expand_dims(s1, 3), axis=2)  # row g + 8
+    if DEPTH == 1:
+        nxt = _w4_block(w_ptr, meta_ptr, s_ptr, z_ptr, row0, a_row, a_col, g_col, m_row, m_col, N, stride_wn,
+                        stride_mn, stride_sn, stride_zn, HAS_ZEROS)
+    for blk in range(ROW_BLOCKS):
+        rows = row0 + blk * ROWS
+        if DEPTH == 1:  # this block's operands were loaded during the last one; the next block's go in flight now
+            cg, ch, mg, mh, zg, zh, sg, sh = nxt
+            if blk + 1 < ROW_BLOCKS:
+                nxt = _w4_block(w_ptr, meta_ptr, s_ptr, z_ptr, rows + ROWS, a_row, a_col, g_col, m_row, m_col, N,
+                                stride_wn, stride_mn, stride_sn, stride_zn, HAS_ZEROS)
+        else:
+            cg, ch, mg, mh, zg, zh, sg, sh = _w4_block(w_ptr, meta_ptr, s_ptr, z_ptr, rows, a_row, a_col, g_col, m_row,
+                                                       m_col, N, stride_wn, stride_mn, stride_sn, stride_zn, HAS_ZEROS)
+        nzg = gl.broadcast(gl.expand_dims((zg | 0xC300) * 0x10001, 3), b0)[0]  # -(128 + zero) in both halves
+        nzh = gl.broadcast(gl.expand_dims((zh | 0xC300) * 0x10001, 3), b0)[0]
+        cg4 = gl.broadcast(gl.expand_dims(cg, 3), b0)[0]
+        ch4 = gl.broadcast(gl.expand_dims(ch, 3), b0)[0]
+        sg4 = gl.expand_dims(sg, 3)
+        sh4 = gl.expand_dims(sh, 3)
         row = rows + o_row
-        _store_sums(acc0, out_ptr, part_ptr, row, o_m, o_live & (row < N), N, SPLIT, pid_k, stride_om, PARTIAL)
-        _store_sums(acc1, out_ptr, part_ptr, row + 8, o_m, o_live & (row + 8 < N), N, SPLIT, pid_k, stride_om,
-                    PARTIAL)
+        ops = [cg4, ch4, b0, b1, b2, b3, mg, mh, nzg, nzh, lane_v]
+        if STRIPE == 4:  # one output, slots 0-3
+            d = gl.inline_asm_elementwise(ASM, ASM_IO, ops, dtype=gl.float32, is_pure=True, pack=4)
+            acc = gl.sum(d * gl.where(s < 2, sg4, sh4), axis=2)
+            _store_sums(acc, out_ptr, part_ptr, row, o_m, o_live & (row < N), N, SPLIT, pid_k, stride_om, PARTIAL)
+        else:  # two outputs, rows g and g + 8
+            d0, d1 = gl.inline_asm_elementwise(ASM, ASM_IO, ops, dtype=(gl.float32, gl.float32), is_pure=True, pack=2)
+            acc0 = gl.sum(d0 * sg4, axis=2)
+            acc1 = gl.sum(d1 * sh4, axis=2)
+            _store_sums(acc0, out_ptr, part_ptr, row, o_m, o_live & (row < N), N, SPLIT, pid_k, stride_om, PARTIAL)
+            _store_sums(acc1, out_ptr, part_ptr, row + 8, o_m, o_live & (row + 8 < N), N, SPLIT, pid_k, stride_om,
+                        PARTIAL)
     if PARTIAL:
         finish_run(part_ptr, count_ptr, out_ptr, pid_r, row0, 0, M, N, SPLIT, stride_om, ROWS * ROW_BLOCKS, FIX_K,
                    num_warps)

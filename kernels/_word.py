@@ -634,17 +634,22 @@ SPARSE_MMA_TILES = ((16, 4, 0), (8, 4, 0), (8, 4, 1), (16, 8, 0), (8, 8, 0))  # 
 # blocks loaded ahead) of the 2:4 mma.sp GEMV; on an H100 (kernels runs 71 and 73) 16 tiles, 4 warps and nothing
 # loaded ahead won at every shape and 1-8 rows: blocks loaded ahead cost registers that deeper slices use better
 SPARSE_MMA_RUNS = (1, 2, 4, 8, 16)  # row blocks per program
+# the 2:4 + INT4 GEMV's (tiles per slice, warps, blocks loaded ahead: 0 or 1): its stripes load a block's weights in
+# few registers, so one block ahead fits beside deep slices ([Note: INT4 stripes] in _sparse_mma_kernels)
+SPARSE_MMA_W4_TILES = ((16, 4, 0), (8, 4, 0), (16, 8, 0), (8, 8, 0), (16, 4, 1), (8, 4, 1), (8, 8, 1), (4, 8, 1))
 
 
-def sparse_mma_candidates(m: int, n: int, k: int, device: torch.device) -> list[WordConfig]:
+def sparse_mma_candidates(m: int, n: int, k: int, device: torch.device,
+                          tiles_table: tuple = SPARSE_MMA_TILES) -> list[WordConfig]:
     """Configs of the 2:4 GEMV on sparse tensor cores (the caller checks ``_sparse_mma.sparse_mma_fits``): each
-    slice depth, warp count and prefetch depth with every run of row blocks that still gives a wave of programs;
-    slices whose partials do not fit the workspace are left out."""
+    slice depth, warp count and prefetch depth of ``tiles_table`` with every run of row blocks that still gives a wave
+    of programs; slices whose partials do not fit the workspace are left out."""
     tiles = k // 32
     sms = _sm_count(device.index or 0)
     out = []
-    for kt, warps, depth in SPARSE_MMA_TILES:
-        kt = max(2, min(kt, tiles + tiles % 2))  # a short K: one slice of all its tiles (an even number)
+    for kt, warps, depth in tiles_table:
+        kt = min(kt, max(2, 1 << (tiles - 1).bit_length()))  # a short K: one slice of all its tiles (a power of
+        # two of them: the kernels' layouts hold a power of two of pairs, or of stripes; the rest are masked)
         split = cdiv(tiles, kt)
         if split > 1 and m * split * n > STATIONARY_WORKSPACE:
             continue
@@ -653,6 +658,16 @@ def sparse_mma_candidates(m: int, n: int, k: int, device: torch.device) -> list[
         out += [c for c in (WordConfig(1, 16 * warps, 8 * kt, split, warps, prefetch=depth, row_blocks=rb,
                                        sparse_mma=True) for rb in runs) if c not in out]
     return out
+
+
+def sparse_mma_w4_candidates(m: int, n: int, k: int, group: int, device: torch.device) -> list[WordConfig]:
+    """Configs of the 2:4 + INT4 GEMV on sparse tensor cores (the caller checks ``_sparse_mma.sparse_mma_w4_fits``):
+    as :func:`sparse_mma_candidates` over ``SPARSE_MMA_W4_TILES``, whole stripes a slice ([Note: INT4 stripes] in
+    ``_sparse_mma_kernels``)."""
+    from ._sparse_mma import w4_stripe
+
+    return [c for c in sparse_mma_candidates(m, n, k, device, SPARSE_MMA_W4_TILES)
+            if (c.block_w // 8) % w4_stripe(group) == 0]
 
 
 SPARSE_GEMM_TILES = {2: ((8, 4, 1, 1), (8, 4, 0, 1), (16, 4, 0, 1), (8, 8, 1, 1), (16, 8, 0, 1), (4, 8, 1, 2),
@@ -719,7 +734,7 @@ def run_sparse_mma(x, words, meta, c: WordConfig, *, n: int, s=None, z=None, gro
             return None
     if s is not None:
         return run_sparse_mma_w4(x, words, meta, s, z, n=n, group=group, tiles_per_slice=c.block_w // 8,
-                                 row_blocks=c.row_blocks, warps=c.warps, workspace=ws)
+                                 row_blocks=c.row_blocks, warps=c.warps, depth=c.prefetch, workspace=ws)
     return run(x, words, meta, n=n, tiles_per_slice=c.block_w // 8, row_blocks=c.row_blocks, warps=c.warps,
                depth=c.prefetch, workspace=ws)
 
@@ -827,8 +842,8 @@ def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
     if fmt == FMT_S24W4:
         from ._sparse_mma import sparse_mma_w4_fits
 
-        if sparse_mma_w4_fits(x, words, meta, s, z, group=group):  # nothing loaded ahead: the kernel has no prefetch
-            stationary = stationary + [c for c in sparse_mma_candidates(m, n, k, x.device) if c.prefetch == 0]
+        if sparse_mma_w4_fits(x, words, meta, s, z, group=group):
+            stationary = stationary + sparse_mma_w4_candidates(m, n, k, group, x.device)
     return launch(_pick(key, tiles + stationary, launch))
 
 

@@ -22,12 +22,13 @@ from zspeed.kernels import KernelPolicy, _sparse_mma, _word
 def test_candidates_split_k_into_even_tiles_that_fit_the_workspace(monkeypatch):
     monkeypatch.setattr(_word, "_sm_count", lambda index: 132)
     gpu = torch.device("cuda", 0)
-    for m, n, k in ((1, 8192, 8192), (4, 28672, 8192), (8, 8192, 28672), (1, 100, 96)):
+    for m, n, k in ((1, 8192, 8192), (4, 28672, 8192), (8, 8192, 28672), (1, 100, 96), (1, 100, 384)):
         got = _word.sparse_mma_candidates(m, n, k, gpu)
         assert got and all(c.sparse_mma and c.row_blocks & (c.row_blocks - 1) == 0 for c in got)
         for c in got:
             tiles = c.block_w // 8
             assert tiles % 2 == 0 and c.block_n == 16 * c.warps and c.prefetch in (0, 1, 2)
+            assert tiles & (tiles - 1) == 0  # a power of two of tiles: the layouts' pairs and stripes
             assert c.split_k == -(-(k // 32) // tiles)
             assert c.split_k == 1 or m * c.split_k * n <= _word.STATIONARY_WORKSPACE
     # a wave of programs where the shape allows one
@@ -69,6 +70,28 @@ def test_fits_2_4_int4_with_groups_of_64_columns_and_int16_metadata(monkeypatch)
     assert not _sparse_mma.sparse_mma_w4_fits(x, codes, meta.view(torch.uint8), s, None, group=128)
     assert not _sparse_mma.sparse_mma_w4_fits(torch.zeros(9, 256, dtype=torch.bfloat16), codes, meta, s, None,
                                               group=128)
+    # stripes of 4 tiles for groups of 128 columns: K a multiple of 128, rows of codes in 8-byte and of positions
+    # in 16-byte steps; groups of 64 take stripes of 2
+    x192, codes192, meta192 = torch.zeros(4, 192, dtype=torch.bfloat16), codes[:, :12], meta[:, :12]
+    assert not _sparse_mma.sparse_mma_w4_fits(x192, codes192, meta192, s, None, group=128)
+    assert _sparse_mma.sparse_mma_w4_fits(x192, codes192, meta192, s, None, group=64)
+    assert not _sparse_mma.sparse_mma_w4_fits(x, torch.zeros(64, 17, dtype=torch.int32)[:, 1:], meta, s, None,
+                                              group=128)  # 4 bytes in: no 8-byte loads
+    assert not _sparse_mma.sparse_mma_w4_fits(x, codes, torch.zeros(64, 20, dtype=torch.int16)[:, :16], s, None,
+                                              group=128)  # rows of positions 40 bytes apart
+    assert _sparse_mma.w4_stripe(128) == _sparse_mma.w4_stripe(256) == 4 and _sparse_mma.w4_stripe(64) == 2
+
+
+def test_2_4_int4_slices_must_hold_whole_stripes():
+    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    codes, meta = torch.zeros(64, 16, dtype=torch.int32), torch.zeros(64, 16, dtype=torch.int16)
+    s = torch.ones(64, 2, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of the stripe"):
+        _sparse_mma.run_sparse_mma_w4(x, codes, meta, s, None, n=64, group=128, tiles_per_slice=2, row_blocks=1,
+                                      warps=4, workspace=None)
+    with pytest.raises(ValueError, match="depth must be 0 or 1"):
+        _sparse_mma.run_sparse_mma_w4(x, codes, meta, s, None, n=64, group=128, tiles_per_slice=8, row_blocks=1,
+                                      warps=4, depth=2, workspace=None)
 
 
 def test_policy_keeps_2_4_on_gemv_up_to_64_rows_only_where_it_runs():
@@ -123,7 +146,9 @@ def test_gemv_tunes_plain_2_4_on_sparse_tensor_cores_alone_and_2_4_int4_beside_t
         _word.run_gemv(x, words, scales, None, m, fmt=_word.FMT_S24W4, group=128, n=64, k=256)
     kinds = {c.sparse_mma for c in offered[-1]}
     assert kinds == {True, False}  # at one row the x-stationary kernel won (kernels run 77): it stays a candidate
-    assert all(c.prefetch == 0 for c in offered[-1] if c.sparse_mma)
+    mma = [c for c in offered[-1] if c.sparse_mma]
+    assert mma == _word.sparse_mma_w4_candidates(1, 64, 256, 128, x.device)  # at most one block ahead, whole stripes
+    assert all(c.prefetch in (0, 1) and (c.block_w // 8) % 4 == 0 for c in mma) and {c.prefetch for c in mma} == {0, 1}
 
 
 def test_gemm_candidates_cover_the_rows_in_groups_of_8_and_fit_the_workspace(monkeypatch):
@@ -204,8 +229,10 @@ def test_bad_arguments_are_refused_before_launch():
     x = torch.zeros(1, 256, dtype=torch.bfloat16)
     words = torch.zeros(64, 64, dtype=torch.int32)
     meta = torch.zeros(64, 32, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="even"):
-        _sparse_mma.run_sparse_mma(x, words, meta, n=64, tiles_per_slice=3, row_blocks=1, warps=4, workspace=None)
+    for tiles in (3, 6):  # the layouts hold a power of two of pairs of tiles
+        with pytest.raises(ValueError, match="power of two from 2"):
+            _sparse_mma.run_sparse_mma(x, words, meta, n=64, tiles_per_slice=tiles, row_blocks=1, warps=4,
+                                       workspace=None)
     with pytest.raises(ValueError, match="power of two"):
         _sparse_mma.run_sparse_mma(x, words, meta, n=64, tiles_per_slice=8, row_blocks=3, warps=4, workspace=None)
     with pytest.raises(ValueError, match="workspace"):
@@ -223,8 +250,12 @@ from zspeed.kernels import _sparse_gemm_kernels, _sparse_mma_kernels
 kernel_name, const = sys.argv[1], json.loads(sys.argv[2])
 fn = getattr(_sparse_gemm_kernels if kernel_name.startswith("sparse_gemm") else _sparse_mma_kernels, kernel_name)
 w4 = kernel_name.endswith("w4_kernel") or const.get("W4", False)  # 2:4 + INT4: codes read as int16, scales, zeros
+w_dtype = torch.int16 if w4 else torch.int32
+if kernel_name == "sparse_mma_w4_kernel":  # the GEMV: a lane's codes of a stripe in one load, the stripe's asm
+    const["ASM"], const["ASM_IO"] = _sparse_mma_kernels.w4_stripe_asm(const["STRIPE"])
+    w_dtype = torch.int64 if const["STRIPE"] == 4 else torch.int32
 n, k = 8192, 8192
-values = dict(x_ptr=torch.empty(1, dtype=torch.int32), w_ptr=torch.empty(1, dtype=torch.int16 if w4 else torch.int32),
+values = dict(x_ptr=torch.empty(1, dtype=torch.int32), w_ptr=torch.empty(1, dtype=w_dtype),
               meta_ptr=torch.empty(1, dtype=torch.int32), s_ptr=torch.empty(1, dtype=torch.bfloat16),
               z_ptr=torch.empty(1, dtype=torch.uint8), part_ptr=torch.empty(1, dtype=torch.float32),
               count_ptr=torch.empty(1, dtype=torch.int32), out_ptr=torch.empty(1, dtype=torch.bfloat16),
@@ -266,12 +297,29 @@ def _one_sparse_mma_per_tile(got: dict, kt: int) -> None:
     assert not any(op.startswith(("LDL", "STL")) for op, _ in got["ops"])
 
 
-@pytest.mark.parametrize("kt,warps,zeros", [(16, 4, True), (8, 8, False)])
-def test_2_4_int4_compiles_for_hopper_to_one_sparse_mma_per_tile(tmp_path, kt, warps, zeros):
-    got = _compiled(tmp_path, "sparse_mma_w4_kernel", GROUP=128, HAS_ZEROS=zeros, KT=kt, num_warps=warps)
+@pytest.mark.parametrize("kt,warps,zeros,group,depth,even", [(16, 4, True, 128, 0, True), (8, 8, False, 256, 1, True),
+                                                              (8, 4, True, 64, 1, False)])
+def test_2_4_int4_compiles_for_hopper_to_one_sparse_mma_per_tile(tmp_path, kt, warps, zeros, group, depth, even):
+    stripe = _sparse_mma.w4_stripe(group)
+    got = _compiled(tmp_path, "sparse_mma_w4_kernel", GROUP=group, HAS_ZEROS=zeros, KT=kt, STRIPE=stripe,
+                    DEPTH=depth, EVEN_K=even, num_warps=warps)
     _one_sparse_mma_per_tile(got, kt)
     # each kept pair becomes code - zero exactly: one bf16 subtraction (fma by 1) per A register, 4 per tile
     assert sum(op.startswith(("HADD2.BF16", "HFMA2.BF16")) for op, _ in got["ops"]) == 4 * kt
+    # [Note: INT4 stripes]: one load a stripe and row of the weights, for codes and positions alike, for each block
+    # loaded (one ahead: the first before the loop, the rest in it); the x slice takes 4-byte loads, once
+    ops = [op for op, _ in got["ops"]]
+    stripes = kt // stripe * (depth + 1)
+    if stripe == 4:  # codes 8 bytes, positions 16 (and a whole slice's scales of a row may be 8 bytes too)
+        assert ops.count("LDG.E.64") >= 2 * stripes and ops.count("LDG.E.128") == 2 * stripes
+    else:  # codes 4 bytes (beside x's), positions 8
+        assert ops.count("LDG.E.64") == 2 * stripes and ops.count("LDG.E") == 4 * kt + 2 * stripes
+    if even and group == 32 * stripe:  # a stripe a group, whole slices: a slice's scales and zero points of a row in
+        # one load each
+        assert not any(op in ("LDG.E.U16", "LDG.E.U8") for op in ops)
+    if depth:  # the next block's loads come before this block's MMAs in the loop
+        loop = got["ops"][[op for op, _ in got["ops"]].index("HMMA.SP.16832.F32.BF16") - 1::-1]
+        assert any(op in ("LDG.E.64", "LDG.E.128") for op, _ in loop[:200])
 
 
 @pytest.mark.parametrize("kt,warps,depth", [(16, 4, 0), (8, 8, 1), (8, 4, 2)])
