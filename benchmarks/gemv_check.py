@@ -81,7 +81,8 @@ def main() -> None:
                          "tma": [c for c in stationary if c.tma],  # [Note: TMA weight stream]
                          "mma": _word.sparse_mma_candidates(m, n, k, x.device) if mma else
                          _word.sparse_mma_w4_candidates(m, n, k, group, x.device) if mma_w4
-                         else _word.sparse_gemm_candidates(m, n, k, x.device) if gemm
+                         else _word.sparse_gemm_candidates(m, n, k, x.device, _sparse_mma.w4_stripe(group)
+                                                           if f == _word.FMT_S24W4 else 1) if gemm
                          else []}
                 for kind, cands in kinds.items():
                     if not cands or kind not in args.kinds:

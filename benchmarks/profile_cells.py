@@ -3,11 +3,13 @@
 (``cudaProfilerStart`` / ``Stop`` around the one call); ``bf16`` is cuBLAS on the dense weight. On an sm_90 GPU, e.g.
 (kernels run 151):
 
-    ZSPEED_TUNING_CACHE=0 ncu --clock-control none --profile-from-start off --section SpeedOfLight \\
+    ncu --clock-control none --profile-from-start off --section SpeedOfLight \\
         --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \\
         --section SchedulerStats python benchmarks/profile_cells.py bf16:8192x8192:1 sparse24_w4a16:8192x8192:1
 
-A cell is ``FORMAT:KxN:M`` with FORMAT one of bf16, w4a16, w8a16, sparse24, sparse24_w4a16.
+A cell is ``FORMAT:KxN:M`` with FORMAT one of bf16, w4a16, w8a16, sparse24, sparse24_w4a16. Under ncu the tuner's
+own timings are distorted (kernels run 154 picked another kernel than without it), so to profile what a benchmark
+runs, run this once without ncu first and leave the tuning cache on: the profiled run then reads the picks.
 """
 from __future__ import annotations
 

@@ -75,13 +75,16 @@ GEMM_CASES = ((64, 256, 9, 2, 2, 1, 4, 1), (200, 1024, 16, 4, 2, 2, 4, 0), (1000
               (2048, 8192, 130, 2, 8, 2, 8, 1, 2), (200, 1024, 16, 4, 2, 2, 4, 1, 2))
 # (N, K, M, tiles per chunk, groups of 8 rows of x, slices, warps, next chunk's weights loaded first[, blocks of 16
 # weight rows a warp]) of the 2:4 GEMM
-GEMM_W4_CASES = ((64, 256, 9, 2, 2, 1, 4, 1, 128, True), (200, 1024, 16, 4, 2, 2, 4, 0, 128, False),
-                 (1000, 3072, 23, 8, 4, 3, 4, 1, 256, True), (96, 512, 40, 2, 8, 1, 8, 0, 128, True),
+GEMM_W4_CASES = ((64, 256, 9, 4, 2, 1, 4, 1, 128, True), (200, 1024, 16, 4, 2, 2, 4, 0, 128, False),
+                 (1000, 3072, 23, 8, 4, 3, 4, 1, 256, True), (96, 512, 40, 4, 8, 1, 8, 0, 128, True),
                  (1000, 8192, 64, 4, 8, 4, 8, 1, 128, True), (2048, 8192, 130, 4, 8, 2, 4, 0, 128, False),
                  (1000, 8192, 61, 8, 8, 2, 8, 1, 128, True), (1000, 3072, 23, 4, 4, 3, 4, 1, 256, True, 2),
-                 (2048, 8192, 130, 2, 8, 2, 8, 1, 128, False, 2), (64, 256, 9, 2, 2, 1, 4, 1, 128, True, 2))
+                 (2048, 8192, 130, 4, 8, 2, 8, 1, 128, False, 2), (64, 256, 9, 4, 2, 1, 4, 1, 128, True, 2),
+                 (200, 384, 20, 8, 4, 1, 4, 1, 128, True), (200, 320, 12, 2, 2, 1, 4, 1, 64, True),
+                 (96, 448, 24, 4, 4, 2, 4, 0, 64, False, 2))
 # (N, K, M, tiles per chunk, groups, slices, warps, next chunk loaded first, group of original columns, zero
-# points[, blocks of 16 weight rows a warp])
+# points[, blocks of 16 weight rows a warp]): stripes of 4 tiles for groups of 128 and 256 columns, of 2 for 64
+# ([Note: INT4 stripes] in kernels/_sparse_mma_kernels.py); a chunk past K (384) and a partial last one (448)
 
 
 def check_gemm(ws) -> int:

@@ -24,7 +24,11 @@ positions handed to the instruction as they are, [Note: block order]) and change
   32 lanes' four ``B`` registers lie side by side, so a warp reads 512 contiguous bytes per ``(group, pair, tile)``
   (16-byte loads, no bank conflicts) and every warp reads the same chunk; two buffers, one barrier per chunk;
 - 2:4 + INT4 turns each code byte into its bf16 weight once per chunk, before the groups' MMAs: ``code - zero``
-  (exact) times the scale, rounded once, which is the weight the reference makes (so its scales must be bf16);
+  (exact) times the scale, rounded once, which is the weight the reference makes (so its scales must be bf16). Its
+  weights are read in stripes of 4 tiles (2 for groups of 64 columns) as in the GEMV ([Note: INT4 stripes] in
+  ``_sparse_mma_kernels``): a lane's codes of a pair of tiles and row are one 4-byte load, the stripe's positions of a
+  row one 16-byte load gathered by byte permutes (:func:`stripe_meta_asm`), and ``x`` is staged in the stripe's block
+  order;
 - the next chunk's ``x`` and (``DEPTH`` 1) weights are loaded into registers while this chunk multiplies.
 
 Groups past ``M`` read zero rows of ``x`` (their sums are not stored); tiles past ``K`` and rows past ``N`` as in
@@ -49,7 +53,8 @@ import functools
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ._sparse_mma_kernels import _MMA, _along4, _cta_barrier, _meta_regs, _store_sums, finish_run, w4_codes
+from ._sparse_mma_kernels import (_MMA, _VALID, _along4, _cta_barrier, _meta_regs, _store_sums, finish_run,
+                                  meta_gather, w4_codes)
 
 
 @functools.cache
@@ -75,6 +80,18 @@ def chain_asm(kt: int, mt: int) -> tuple[str, str]:
                          f"${e + o + 8 * p}, 0x{h};")
     lines.append("}")
     return "\n".join(lines), ",".join(["=&f"] * n + ["r"] * (3 * n) + ["f"] * n)
+
+
+@functools.cache
+def stripe_meta_asm(stripe: int) -> tuple[str, str]:
+    """2:4 + INT4 read in stripes ([Note: INT4 stripes] in ``_sparse_mma_kernels``): the metadata register of one
+    pair of tiles, for ``pack=4``. ``$4``-``$7``: the stripe's position words of row ``g`` (the first ``stripe`` of them
+    read), ``$8``-``$11`` of row ``g + 8``, ``$12`` the lane's tile of the stripe plus ``4 (t % 2)`` times 256. Out:
+    the register, in all four slots."""
+    lines = ["{", ".reg .b32 ts, n4, sel, u, v, xg, xh, m;", "and.b32 ts, $12, 0xFF;", "shr.b32 n4, $12, 8;"]
+    lines += meta_gather(stripe, ["$4", "$5", "$6", "$7"], ["$8", "$9", "$10", "$11"], "m")
+    lines += ["mov.b32 $0, m;", "mov.b32 $1, m;", "mov.b32 $2, m;", "mov.b32 $3, m;", "}"]
+    return "\n".join(lines), ",".join(["=r"] * 4 + ["r"] * 12)
 
 
 @gluon.jit
@@ -126,16 +143,20 @@ def _along7(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
-def _stage_x(x_ptr, M, TILES, stride_xm, m0, tile0, KT: gl.constexpr, NT: gl.constexpr, LN: gl.constexpr):
+def _stage_x(x_ptr, M, TILES, stride_xm, m0, tile0, KT: gl.constexpr, NT: gl.constexpr, LN: gl.constexpr,
+             STRIPE: gl.constexpr):
     """One chunk of ``x`` as ``(NT, 32, KT / 2, 2, 4)``: group, lane, pair, tile of the pair, register. Read in natural
     order, 16 bytes a load, as ``(group, g, pair, tile of the pair, r % 2, t // 2, 4 int32)``: a tile's 16 int32
     columns are ``8 (r % 2) + 4 (t // 2) + 2 (r // 2) + t % 2`` for lane ``4g + t``'s ``B`` register ``r`` ([Note: block
-    order] in ``_sparse_mma_kernels``); then, in registers, the last axis is split as ``(r // 2, t % 2)`` and the axes
-    are renamed into fragment order."""
+    order] in ``_sparse_mma_kernels``); in stripes of ``STRIPE`` tiles ([Note: INT4 stripes]) the stripe's ``16 S``
+    int32 columns are ``8 S (r % 2) + 4 S (t // 2) + 4s + 2 (r // 2) + t % 2`` for tile ``s`` of the stripe (``S`` 1:
+    the tile-wise order). Then, in registers, the last axis is split as ``(r // 2, t % 2)`` and the axes are renamed
+    into fragment order."""
     q = _along7(NT, 0, LN)
     g = _along7(8, 1, LN)
     tile = tile0 + 2 * _along7(KT // 2, 2, LN) + _along7(2, 3, LN)
-    col = tile * 16 + 8 * _along7(2, 4, LN) + 4 * _along7(2, 5, LN) + _along7(4, 6, LN)
+    col = (tile // STRIPE) * (16 * STRIPE) + 4 * (tile % STRIPE) + 8 * STRIPE * _along7(2, 4, LN) \
+        + 4 * STRIPE * _along7(2, 5, LN) + _along7(4, 6, LN)
     row = m0 + 8 * q + g
     v = gl.load(x_ptr + row * stride_xm + col, mask=(row < M) & (tile < TILES), other=0)
     v = gl.reshape(v, (NT, 8, KT // 2, 2, 2, 2, 2, 2))
@@ -165,26 +186,44 @@ _DEQUANT_IO = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 12))
 @gluon.jit
 def _weights(w_ptr, meta_ptr, s_ptr, z_ptr, N, TILES, stride_wn, stride_mn, stride_sn, stride_zn, row0, chunk, more,
              KT: gl.constexpr, MT: gl.constexpr, GROUP: gl.constexpr, HAS_ZEROS: gl.constexpr, W4: gl.constexpr,
-             num_warps: gl.constexpr, A6: gl.constexpr):
+             STRIPE: gl.constexpr, META: gl.constexpr, META_IO: gl.constexpr, num_warps: gl.constexpr,
+             A6: gl.constexpr):
     """The ``A`` registers (``(warp, lane, block, pair, tile, register)`` int32, bf16 pairs) and the metadata
     registers (``(warp, lane, block, pair)``) of chunk ``chunk`` (nothing read where ``more`` is false). Warp ``w``'s
     block ``m`` is weight rows ``16 (MT w + m)`` on. Register ``r`` of lane ``4g + t`` is the block's row ``g + 8 (r //
     2)``, stored block ``2t + r % 2`` of its tile: plain 2:4 reads it as stored (8-byte pairs); 2:4 + INT4 reads a
-    tile's four code bytes of both rows as one int32 and dequantizes them here."""
+    tile's four code bytes of both rows as one int32 and dequantizes them here. 2:4 + INT4 is read in stripes of
+    ``STRIPE`` tiles ([Note: INT4 stripes] in ``_sparse_mma_kernels``): a lane's codes of a pair of tiles and row are
+    one 4-byte load, the stripe's positions of a row one vector, gathered by ``META`` (:func:`stripe_meta_asm`)."""
     M4: gl.constexpr = gl.SliceLayout(4, gl.SliceLayout(5, A6))  # (warp, lane, block, pair)
     lane4 = _along4(32, 1, M4)
     pair4 = _along4(KT // 2, 3, M4)
     rg4 = row0 + 16 * (MT * _along4(num_warps, 0, M4) + _along4(MT, 2, M4)) + lane4 // 4  # row g of the block
-    # metadata of the pair: lane 4g + t holds logical blocks 0-3 (t even) or 4-7 of tile 2p + t // 2, rows g and g + 8
-    m_tile = chunk * KT + 2 * pair4 + (lane4 % 4) // 2
-    e = _meta_regs(meta_ptr, rg4, 0, m_tile, (m_tile < TILES) & more, 4 * (lane4 % 2), N, stride_mn)
     if W4:
+        # metadata of the pair: the stripe's words of rows g and g + 8 on the register axis (one vector load)
+        W5: gl.constexpr = gl.SliceLayout(4, A6)  # (warp, lane, block, pair, word)
+        lane_w = _along5(32, 1, W5)
+        tile_w = chunk * KT + 2 * _along5(KT // 2, 3, W5)  # the pair's first tile
+        row_w = row0 + 16 * (MT * _along5(num_warps, 0, W5) + _along5(MT, 2, W5)) + lane_w // 4
+        col_w = (tile_w // STRIPE) * STRIPE + _along5(4, 4, W5) % STRIPE
+        live_w = (tile_w < TILES) & more
+        mg = gl.load(meta_ptr + row_w * stride_mn + col_w, mask=(row_w < N) & live_w, other=_VALID)
+        mh = gl.load(meta_ptr + (row_w + 8) * stride_mn + col_w, mask=(row_w + 8 < N) & live_w, other=_VALID)
+        info = tile_w % STRIPE + (lane_w % 4) // 2 + 1024 * (lane_w % 2)  # the lane's tile s, and 4 (t % 2) << 8
+        e = gl.reduce(gl.inline_asm_elementwise(META, META_IO, [mg, mh, info], dtype=gl.int32, is_pure=True, pack=4),
+                      4, _first)
+        e = gl.convert_layout(e, M4)
         T5: gl.constexpr = gl.SliceLayout(5, A6)  # (warp, lane, block, pair, tile): one value per tile
         lane5 = gl.expand_dims(lane4, 4)
-        tq = chunk * KT + 2 * gl.expand_dims(pair4, 4) + _along5(2, 4, T5)
+        pair5 = gl.expand_dims(pair4, 4)
+        top = _along5(2, 4, T5)
+        tq = chunk * KT + 2 * pair5 + top
         rg = gl.expand_dims(rg4, 4)
-        lq = (tq < TILES) & more
-        codes, z0, z1 = w4_codes(w_ptr, z_ptr, rg, tq * 4 + lane5 % 4, tq * 32 // GROUP, lq, N, stride_wn, stride_zn,
+        lq = (chunk * KT + 2 * pair5 < TILES) & more  # by pairs (TILES is whole stripes): one mask for both loads
+        # lane t's 2 bytes of tile s of a stripe: int16 S t + s of the stripe's 4 S, the pair's two side by side
+        col = (chunk * KT // STRIPE + pair5 // (STRIPE // 2)) * (4 * STRIPE) + STRIPE * (lane5 % 4) \
+            + 2 * (pair5 % (STRIPE // 2)) + top
+        codes, z0, z1 = w4_codes(w_ptr, z_ptr, rg, col, (tq - top) * 32 // GROUP, lq, N, stride_wn, stride_zn,
                                  HAS_ZEROS)
         # the pair's scales (both tiles in one group: GROUP a multiple of 64), rows g and g + 8, as bf16 bits
         sp = chunk * KT + 2 * pair4
@@ -201,6 +240,9 @@ def _weights(w_ptr, meta_ptr, s_ptr, z_ptr, N, TILES, stride_wn, stride_mn, stri
         a = gl.inline_asm_elementwise(_DEQUANT, _DEQUANT_IO, [c6, nz, gl.broadcast(s2, nz)[0]], dtype=gl.int32,
                                       is_pure=True, pack=4)
     else:
+        # metadata of the pair: lane 4g + t holds logical blocks 0-3 (t even) or 4-7 of tile 2p + t // 2, rows g, g + 8
+        m_tile = chunk * KT + 2 * pair4 + (lane4 % 4) // 2
+        e = _meta_regs(meta_ptr, rg4, 0, m_tile, (m_tile < TILES) & more, 4 * (lane4 % 2), N, stride_mn)
         r = _along6(4, 5, A6)
         tile = chunk * KT + 2 * _along6(KT // 2, 3, A6) + _along6(2, 4, A6)
         row = row0 + 16 * (MT * _along6(num_warps, 0, A6) + _along6(MT, 2, A6)) + _along6(32, 1, A6) // 4 + 8 * (r // 2)
@@ -214,7 +256,8 @@ def sparse_gemm_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, count_ptr
                        RUNS, stride_xm, stride_wn, stride_mn, stride_sn, stride_zn, stride_om, KT: gl.constexpr,
                        NT: gl.constexpr, MT: gl.constexpr, DEPTH: gl.constexpr, W4: gl.constexpr, GROUP: gl.constexpr,
                        HAS_ZEROS: gl.constexpr, PARTIAL: gl.constexpr, FIX_K: gl.constexpr, CHAIN: gl.constexpr,
-                       CHAIN_IO: gl.constexpr, num_warps: gl.constexpr):
+                       CHAIN_IO: gl.constexpr, STRIPE: gl.constexpr, META: gl.constexpr, META_IO: gl.constexpr,
+                       num_warps: gl.constexpr):
     """``out[M, N] = x @ densify(values, meta)^T`` for up to ``8 * NT`` rows of ``x`` per program ([Note: 2:4 GEMM
     on sparse tensor cores]). Plain 2:4 (``W4`` false): operands as ``sparse_mma_kernel``. 2:4 + INT4: ``w_ptr`` the
     kept values' codes ``(N, K / 4)`` uint8 read as int16 (two blocks each), ``s_ptr`` bf16 scales and ``z_ptr``
@@ -222,7 +265,8 @@ def sparse_gemm_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, count_ptr
     Grid ``(groups of 8 * NT rows of x, RUNS blocks of 16 * MT * num_warps weight rows, SPLIT slices)``: ``MT`` blocks
     of 16 weight rows a warp share each ``B`` read; a slice is ``CHUNKS`` chunks of ``KT`` tiles (even); ``DEPTH`` 1
     loads the next chunk's weights before this one's MMAs; ``CHAIN``, ``CHAIN_IO``: :func:`chain_asm` of ``KT``,
-    ``MT``."""
+    ``MT``. 2:4 + INT4 is read in stripes of ``STRIPE`` tiles (2 or 4, dividing ``KT``; plain 2:4: 1), ``META`` /
+    ``META_IO`` its :func:`stripe_meta_asm`."""
     # axes: warp, lane, group of x rows, block of 16 weight rows, pair of tiles, tile of the pair, register
     L7: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, NT, MT, KT // 2, 2, 4],
                                         threads_per_warp=[1, 32, 1, 1, 1, 1, 1],
@@ -248,9 +292,10 @@ def sparse_gemm_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, count_ptr
     xs = gl.allocate_shared_memory(gl.int32, [2, NT, 32, KT // 2, 2, 4], SL)
     chunk0 = pid_k * CHUNKS
     tile0 = chunk0 * KT
-    xr = _stage_x(x_ptr, M, TILES, stride_xm, m0, tile0, KT, NT, LS)
+    xr = _stage_x(x_ptr, M, TILES, stride_xm, m0, tile0, KT, NT, LS, STRIPE)
     a, e = _weights(w_ptr, meta_ptr, s_ptr, z_ptr, N, TILES, stride_wn, stride_mn, stride_sn, stride_zn, row0,
-                    chunk0, CHUNKS > 0, KT, MT, GROUP, HAS_ZEROS, W4, num_warps, A6)
+                    chunk0, CHUNKS > 0, KT, MT, GROUP, HAS_ZEROS, W4, STRIPE, META, META_IO,
+                    num_warps, A6)
 
     acc = gl.zeros([num_warps, 32, NT, MT, 4], gl.float32, O5)
     group = _along5(NT, 2, O5)
@@ -259,10 +304,11 @@ def sparse_gemm_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, count_ptr
         xs.index(buf).store(xr)
         _cta_barrier()  # the chunk staged; and every warp done with the buffer staged two chunks ago
         if c + 1 < CHUNKS:  # the next chunk's x in flight while this one multiplies
-            xr = _stage_x(x_ptr, M, TILES, stride_xm, m0, tile0 + (c + 1) * KT, KT, NT, LS)
+            xr = _stage_x(x_ptr, M, TILES, stride_xm, m0, tile0 + (c + 1) * KT, KT, NT, LS, STRIPE)
         if DEPTH == 1:
             a_n, e_n = _weights(w_ptr, meta_ptr, s_ptr, z_ptr, N, TILES, stride_wn, stride_mn, stride_sn, stride_zn,
-                                row0, chunk0 + c + 1, c + 1 < CHUNKS, KT, MT, GROUP, HAS_ZEROS, W4, num_warps, A6)
+                                row0, chunk0 + c + 1, c + 1 < CHUNKS, KT, MT, GROUP, HAS_ZEROS, W4, STRIPE, META,
+                                META_IO, num_warps, A6)
         e6 = gl.broadcast(gl.expand_dims(gl.expand_dims(e, 4), 5), a)[0]
         xb = xs.index(buf)
         for q in gl.static_range(NT):
@@ -279,7 +325,8 @@ def sparse_gemm_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, count_ptr
             e = e_n
         else:
             a, e = _weights(w_ptr, meta_ptr, s_ptr, z_ptr, N, TILES, stride_wn, stride_mn, stride_sn, stride_zn,
-                            row0, chunk0 + c + 1, c + 1 < CHUNKS, KT, MT, GROUP, HAS_ZEROS, W4, num_warps, A6)
+                            row0, chunk0 + c + 1, c + 1 < CHUNKS, KT, MT, GROUP, HAS_ZEROS, W4, STRIPE, META,
+                            META_IO, num_warps, A6)
 
     # slot j of lane 4g + t, group q, block m of warp w: weight row 16 (MT w + m) + g + 8 (j // 2), row 8q + 2t + j % 2
     # of x

@@ -211,6 +211,10 @@ def _launch_gemm(name: str, x: torch.Tensor, words: torch.Tensor, meta32: torch.
             or split < 1 or blocks not in (1, 2) or depth not in (0, 1):
         raise ValueError(f"{name}: tiles_per_chunk must be even, groups and warps 1, 2, 4 or 8, split >= 1, blocks 1 "
                          f"or 2, depth 0 or 1; got {tiles_per_chunk}, {groups}, {warps}, {split}, {blocks}, {depth}")
+    stripe = w4_stripe(group) if s is not None else 1  # 2:4 + INT4 in stripes ([Note: INT4 stripes])
+    if tiles_per_chunk % stripe:
+        raise ValueError(f"{name}: tiles_per_chunk must be a multiple of the stripe ({stripe} tiles for groups of "
+                         f"{group} columns), got {tiles_per_chunk}")
     chunks = cdiv(cdiv(tiles, split), tiles_per_chunk)
     split = cdiv(tiles, chunks * tiles_per_chunk)
     rows = 16 * warps * blocks
@@ -227,11 +231,13 @@ def _launch_gemm(name: str, x: torch.Tensor, words: torch.Tensor, meta32: torch.
     else:
         parts, counters = out, words
     chain, chain_io = _gemm_kernels().chain_asm(tiles_per_chunk, blocks)
+    meta, meta_io = _gemm_kernels().stripe_meta_asm(stripe) if s is not None else ("", "")
     ss = s if s is not None else out
     zz = z if z is not None else ss
     _gemm_kernels().sparse_gemm_kernel[(m_groups, runs, split)](
         x.view(torch.int32), words, meta32, ss, zz, parts, counters, out, m, n, tiles, split, chunks, runs,
         x.stride(0) // 2, words.stride(0), meta32.stride(0), ss.stride(0), zz.stride(0), out.stride(0),
         KT=tiles_per_chunk, NT=groups, MT=blocks, DEPTH=depth, W4=s is not None, GROUP=group, HAS_ZEROS=z is not None,
-        PARTIAL=split > 1, FIX_K=max(1, min(16, 4096 // rows)), CHAIN=chain, CHAIN_IO=chain_io, num_warps=warps)
+        PARTIAL=split > 1, FIX_K=max(1, min(16, 4096 // rows)), CHAIN=chain, CHAIN_IO=chain_io, STRIPE=stripe,
+        META=meta, META_IO=meta_io, num_warps=warps)
     return out

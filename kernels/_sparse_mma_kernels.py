@@ -93,6 +93,27 @@ _ASM_IO = gl.constexpr(",".join(["=f"] * 8 + ["r"] * 24))
 _ASM_META = gl.constexpr("prmt.b32 $0, $1, $2, 0x6420;")
 
 
+def meta_gather(stripe: int, mg: list[str], mh: list[str], out: str) -> list[str]:
+    """PTX lines: the metadata register ``out`` of tile ``s`` of a stripe ([Note: INT4 stripes]) for a lane whose
+    nibble offset is ``n4`` (4 (t % 2); ``ts`` (the tile ``s``) and ``n4`` are registers of the caller, as are
+    ``sel``, ``u``, ``v``, ``xg``, ``xh``), from the stripe's position words of rows ``g`` (``mg``) and ``g + 8`` (``mh``). The lane's
+    logical blocks ``4n .. 4n + 3`` (``n = t % 2``) are stored blocks ``2 S u + 2s + n``: nibble ``n`` of byte ``S u +
+    s`` of the stripe's positions, ``u = 0 .. 3``; gathered by byte permutes, then two blocks a byte in bytes 0 and 2
+    of both rows, joined."""
+    if stripe == 4:  # byte s of each of four words
+        lines = ["mad.lo.u32 sel, ts, 17, 64;"]
+        for words, dst in ((mg, "xg"), (mh, "xh")):
+            lines += [f"prmt.b32 u, {words[0]}, {words[1]}, sel;", f"prmt.b32 v, {words[2]}, {words[3]}, sel;",
+                      f"prmt.b32 {dst}, u, v, 0x5410;"]
+    else:  # bytes s and s + 2 of each of two words
+        lines = ["mad.lo.u32 sel, ts, 0x1111, 0x6420;", f"prmt.b32 xg, {mg[0]}, {mg[1]}, sel;",
+                 f"prmt.b32 xh, {mh[0]}, {mh[1]}, sel;"]
+    for dst in ("xg", "xh"):  # nibble n of each byte, then two blocks a byte in bytes 0 and 2
+        lines += [f"shr.b32 {dst}, {dst}, n4;", f"shr.b32 u, {dst}, 4;",
+                  f"lop3.b32 {dst}, {dst}, u, 0x0F0F0F0F, 0xE4;"]  # (dst & mask) | (u & ~mask)
+    return lines + [f"prmt.b32 {out}, xg, xh, 0x6420;"]
+
+
 def w4_stripe_asm(stripe: int) -> tuple[str, str]:
     """2:4 + INT4, one stripe of ``stripe`` (2 or 4) tiles ([Note: INT4 stripes]): the inline asm and its constraints,
     for ``pack=stripe``. Operands in order, ``stripe`` registers each (a broadcast value: only its first is read):
@@ -108,7 +129,7 @@ def w4_stripe_asm(stripe: int) -> tuple[str, str]:
     cg, ch = ([next(nxt) for _ in range(stripe)] for _ in range(2))
     b = [[next(nxt) for _ in range(stripe)] for _ in range(4)]
     mg, mh, nzg, nzh, lane = ([next(nxt) for _ in range(stripe)] for _ in range(5))
-    lines = ["{", ".reg .b32 zr, one, y, a<4>, cg<2>, ch<2>, cg0s, cg1s, ch0s, ch1s, t2, n4, sel, u, v, xg, xh;",
+    lines = ["{", ".reg .b32 zr, one, y, a<4>, cg<2>, ch<2>, cg0s, cg1s, ch0s, ch1s, t2, n4, ts, sel, u, v, xg, xh;",
              ".reg .b32 m<2>;", ".reg .f32 e<4>, z;", "mov.b32 zr, 0;", "mov.b32 one, 0x3F803F80;",
              "mov.f32 z, 0f00000000;", f"and.b32 t2, ${lane[0]}, 1;", f"and.b32 n4, ${lane[0]}, 4;"]
     if stripe == 4:
@@ -118,20 +139,8 @@ def w4_stripe_asm(stripe: int) -> tuple[str, str]:
     words = [f"{row}{w}" for w in range(stripe // 2) for row in ("cg", "ch")]
     lines += [f"shr.b32 {w}s, {w}, 4;" for w in words]  # each byte's high nibble in its low nibble
     for pair in range(stripe // 2):
-        # the pair's tile s = 2 pair + t // 2; its logical blocks 4n .. 4n + 3 (n = t % 2) are stored blocks
-        # 2 stripe u + 2s + n: nibble n of byte stripe u + s of the stripe's metadata, u = 0 .. 3
-        if stripe == 4:
-            lines.append(f"mad.lo.u32 sel, t2, 17, {34 * pair + 64};")  # byte s of two words
-            for words, dst in ((mg, "xg"), (mh, "xh")):
-                lines += [f"prmt.b32 u, ${words[0]}, ${words[1]}, sel;", f"prmt.b32 v, ${words[2]}, ${words[3]}, sel;",
-                          f"prmt.b32 {dst}, u, v, 0x5410;"]
-        else:
-            lines.append("mad.lo.u32 sel, t2, 0x1111, 0x6420;")  # bytes s, s + 2 of both words
-            lines += [f"prmt.b32 xg, ${mg[0]}, ${mg[1]}, sel;", f"prmt.b32 xh, ${mh[0]}, ${mh[1]}, sel;"]
-        for dst in ("xg", "xh"):  # nibble n of each byte, then two blocks a byte in bytes 0 and 2
-            lines += [f"shr.b32 {dst}, {dst}, n4;", f"shr.b32 u, {dst}, 4;",
-                      f"lop3.b32 {dst}, {dst}, u, 0x0F0F0F0F, 0xE4;"]  # (dst & mask) | (u & ~mask)
-        lines.append(f"prmt.b32 m{pair}, xg, xh, 0x6420;")
+        lines.append(f"add.u32 ts, t2, {2 * pair};")  # the pair's tile of this lane
+        lines += meta_gather(stripe, [f"${w}" for w in mg], [f"${w}" for w in mh], f"m{pair}")
     for s in range(stripe):
         word, byte = s // 2, 2 * (s % 2)  # tile s: bytes 2 (s % 2) (logical block t) and + 1 (t + 4) of a word
         # A register: (row g, block t), (row g + 8, block t), (row g, block t + 4), (row g + 8, block t + 4)

@@ -681,12 +681,12 @@ SPARSE_GEMM_TILES = {2: ((8, 4, 1, 1), (8, 4, 0, 1), (16, 4, 0, 1), (8, 8, 1, 1)
 # + INT4); 16-tile chunks at 4 groups, and 8-tile chunks with two blocks a warp, spill or take 255 registers
 
 
-def sparse_gemm_candidates(m: int, n: int, k: int, device: torch.device) -> list[WordConfig]:
+def sparse_gemm_candidates(m: int, n: int, k: int, device: torch.device, stripe: int = 1) -> list[WordConfig]:
     """Configs of the 2:4 GEMM ([Note: 2:4 GEMM on sparse tensor cores]) for ``m`` rows of ``x`` (more than 8): the
     fewest groups of 8 rows per program that cover ``m`` (at most 8; the same for every ``m`` of a tuning bucket),
-    each chunk depth, warp count and number of 16-row blocks a warp (``block_n = 16 * warps * blocks``) with the one
-    or two slice counts that first give a wave of programs; slices whose partials do not fit the workspace are left
-    out."""
+    each chunk depth (whole stripes of ``stripe`` tiles: 2:4 + INT4, ``_sparse_mma.w4_stripe``), warp count and number
+    of 16-row blocks a warp (``block_n = 16 * warps * blocks``) with the one or two slice counts that first give a wave
+    of programs; slices whose partials do not fit the workspace are left out."""
     from ._sparse_mma import MAX_GEMM_GROUPS
 
     groups = min(MAX_GEMM_GROUPS, 1 << max(0, (cdiv(m, 8) - 1).bit_length()))
@@ -696,7 +696,7 @@ def sparse_gemm_candidates(m: int, n: int, k: int, device: torch.device) -> list
     out = []
     for kt, warps, depth, blocks in SPARSE_GEMM_TILES[max(2, groups)]:
         progs = m_groups * cdiv(n, 16 * warps * blocks)
-        if progs > WORKSPACE_COUNTERS:
+        if progs > WORKSPACE_COUNTERS or kt % stripe:
             continue
         splits = [sp for sp in (1, 2, 4, 8, 16, 32) if sp * kt <= max(kt, tiles)
                   and (sp == 1 or m * sp * n <= STATIONARY_WORKSPACE)]
@@ -829,7 +829,10 @@ def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
         from ._sparse_mma import sparse_gemm_fits
 
         if sparse_gemm_fits(x, words, meta, w4=fmt == FMT_S24W4, s=s, z=z, group=group):  # the 2:4 GEMM alone
-            return launch(_pick(key, sparse_gemm_candidates(m, n, k, x.device), launch))
+            from ._sparse_mma import w4_stripe
+
+            stripe = w4_stripe(group) if fmt == FMT_S24W4 else 1
+            return launch(_pick(key, sparse_gemm_candidates(m, n, k, x.device, stripe), launch))
     stationary = stationary_candidates(fmt, m, n, kw, group, x.device)
     if fmt == FMT_S24 and meta_words(meta) is None:
         stationary = []  # metadata the x-stationary kernel cannot read as int32 words

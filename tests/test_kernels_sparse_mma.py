@@ -340,11 +340,13 @@ def test_gemm_compiles_for_hopper_to_one_sparse_mma_per_tile_and_group(tmp_path,
     loop), its ``B`` registers read from shared memory in 16-byte loads once for all of a warp's blocks; 2:4 + INT4
     dequantizes each code byte once per chunk, not once per group (one bf16 subtraction and one multiply per ``A``
     register); nothing spills."""
-    from zspeed.kernels._sparse_gemm_kernels import chain_asm
+    from zspeed.kernels._sparse_gemm_kernels import chain_asm, stripe_meta_asm
 
     chain, chain_io = chain_asm(kt, blocks)
+    stripe = 4 if w4 else 1  # 2:4 + INT4 in stripes of 4 tiles (groups of 128 columns)
+    meta, meta_io = stripe_meta_asm(stripe) if w4 else ("", "")
     const = dict(KT=kt, NT=groups, MT=blocks, num_warps=warps, DEPTH=depth, W4=w4, GROUP=128, HAS_ZEROS=True,
-                 CHAIN=chain, CHAIN_IO=chain_io)
+                 CHAIN=chain, CHAIN_IO=chain_io, STRIPE=stripe, META=meta, META_IO=meta_io)
     got = _compiled(tmp_path, "sparse_gemm_kernel", **const)
     mmas = [rest for op, rest in got["ops"] if op.startswith("HMMA.SP.16832.F32.BF16")]
     assert len(mmas) == groups * kt * blocks
@@ -357,3 +359,7 @@ def test_gemm_compiles_for_hopper_to_one_sparse_mma_per_tile_and_group(tmp_path,
     assert bf16 == (2 * 2 * 4 * kt * blocks if w4 else 0)
     assert got["stack"] == 0 and got["local"] == 0 and got["regs"] <= 255
     assert not any(op.startswith(("LDL", "STL")) for op in ops)
+    if w4:  # [Note: INT4 stripes]: a pair's codes of a row in one 4-byte load, no 2-byte loads but the pair's scale,
+        # for the prologue's chunk and the loop's next
+        per_chunk = 2 * (kt // 2) * blocks  # rows g and g + 8 of each pair of each block
+        assert ops.count("LDG.E.U16") == 2 * per_chunk and ops.count("LDG.E") == 2 * per_chunk
