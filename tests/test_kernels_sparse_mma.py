@@ -203,6 +203,9 @@ def test_gemv_path_tunes_the_2_4_gemm_alone_from_9_rows(offered):
         _word.run_gemv(torch.zeros(12, 256, dtype=torch.bfloat16), words, torch.ones(64, 2, dtype=torch.bfloat16),
                        None, m, fmt=_word.FMT_S24W4, group=128, n=64, k=256)
     assert offered[-1] and all(c.sparse_mma and c.block_m == 16 for c in offered[-1])
+    # 2:4 + INT4 in groups of 128 columns: chunks of whole stripes of 4 tiles ([Note: INT4 stripes])
+    assert all((c.block_w // 8) % 4 == 0 for c in offered[-1])
+    assert offered[-1] == _word.sparse_gemm_candidates(12, 64, 256, torch.device("cpu"), 4)
 
 
 def test_bad_gemm_arguments_are_refused_before_launch():
@@ -223,6 +226,10 @@ def test_bad_gemm_arguments_are_refused_before_launch():
         _sparse_mma.run_sparse_gemm(x, words, meta, **{**args, "split": 2})
     with pytest.raises(ValueError, match="do not fit"):  # 16 rows x 4 slices x 64 partials: twice the buffer
         _sparse_mma.run_sparse_gemm(x, words, meta, **{**args, "split": 4, "workspace": ws})
+    codes, meta16, s = torch.zeros(64, 16, dtype=torch.int32), torch.zeros(64, 16, dtype=torch.int16), \
+        torch.ones(64, 2, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of the stripe"):  # groups of 128 columns: stripes of 4 tiles
+        _sparse_mma.run_sparse_gemm_w4(x, codes, meta16, s, None, group=128, **args)
 
 
 def test_bad_arguments_are_refused_before_launch():
