@@ -58,8 +58,9 @@ def _setup(name: str, x: torch.Tensor, like: torch.Tensor, *, n: int, tiles_per_
     split = cdiv(tiles, tiles_per_slice)
     if tiles_per_slice < 2 or tiles_per_slice & (tiles_per_slice - 1) or row_blocks < 1 \
             or row_blocks & (row_blocks - 1) or warps not in (1, 2, 4, 8):
-        raise ValueError(f"{name}: tiles_per_slice must be a power of two from 2 (two tiles share a metadata register), "
-                         f"row_blocks a power of two, warps 1, 2, 4 or 8; got {tiles_per_slice}, {row_blocks}, {warps}")
+        raise ValueError(f"{name}: tiles_per_slice must be a power of two from 2 (two tiles share a metadata "
+                         f"register), row_blocks a power of two, warps 1, 2, 4 or 8; got {tiles_per_slice}, "
+                         f"{row_blocks}, {warps}")
     if split > 1 and workspace is None:
         raise ValueError(f"{name}: more than one slice of K needs the fix-up workspace (partials, counters)")
     run = 16 * warps * row_blocks

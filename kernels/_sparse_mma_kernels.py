@@ -47,17 +47,23 @@ points per tile or pair: on an H100 it ran at 29 % of DRAM bandwidth with the L1
 slower at one row than the x-stationary kernel. So the kernel walks ``K`` in *stripes* of 4 tiles (2 where the groups
 are 64 columns). With ``S`` tiles a stripe, lane ``t`` takes the stripe's stored blocks ``2 S t`` to ``2 S t + 2 S -
 1``, so its codes of a row are one 8-byte load (4 bytes for a stripe of 2), and tile ``s`` of the stripe gets stored
-blocks ``2 S t + 2s`` and ``2 S t + 2s + 1`` as its logical blocks ``t`` and ``t + 4``. In
-general logical block ``L`` of tile ``s`` is stored block ``2 S (L % 4) + 2s + L // 4``: the products are the same as
-long as ``x`` (loaded once, any order is free) and the metadata follow. The metadata register of a pair of tiles needs
-one nibble of four bytes that lie ``S`` apart, so every lane of a quad loads the stripe's positions of both rows in
-one vector (16 bytes) and gathers its bytes with byte permutes. Scales and zero points are one load a stripe and row.
-A stripe's MMAs chain through the accumulators in one inline-asm call (``w4_stripe_asm``). Loads a stripe and row:
-one of codes, one of positions, one scale, one zero point, where the tile-wise version made 8, 4, 2 and 8.
+blocks ``2 S t + 2s`` and ``2 S t + 2s + 1`` as its logical blocks ``t`` and ``t + 4``. In general logical block
+``L`` of tile ``s`` is stored block ``2 S (L % 4) + 2s + L // 4``: the products are the same as long as ``x`` (loaded
+once, any order is free) and the metadata follow. The metadata register of a pair of tiles needs one nibble of four
+bytes that lie ``S`` apart, so every lane of a quad loads the stripe's positions of both rows in one vector (16
+bytes) and gathers its bytes with byte permutes (``meta_gather``). Scales and zero points are one load a stripe and
+row, or one a slice and row where the slices are whole and a stripe is a group. A stripe's MMAs chain through the
+accumulators in one inline-asm call (``w4_stripe_asm``). Loads a stripe and row: one of codes, one of positions, one
+scale, one zero point, where the tile-wise version made 8, 4, 2 and 8. The stripes hold a block's weights in few
+registers, so the next block's can be in flight while this one multiplies (``DEPTH`` 1). The weights are read
+unmasked: rows past ``N`` read row ``N - 1`` (their sums are not stored) and stripes past ``K`` the last stripe (``x``
+is zero there), which saves the predicates and the default values of masked loads. The 2:4 GEMM reads 2:4 + INT4 the
+same way ([Note: 2:4 GEMM on sparse tensor cores] in ``_sparse_gemm_kernels``).
 
-On an H100 (kernels run 152, same process, bf16 55.7 / 174.9 / 172.5 us) one row runs 2.44x of bf16 on 8192x8192,
-2.81x on 8192x28672 and 2.67x on 28672x8192, where the x-stationary kernel (the tuner's pick before) ran 2.00 / 2.11 /
-2.07x; four rows 2.16 / 2.53 / 2.41x, eight rows 1.92 / 2.18 / 1.94x.
+On an H100 (benchmarks/RESULTS.md, kernels runs 152-156, bf16 in the same process) one row runs 2.79x of bf16 on
+8192x8192, 2.81x on 8192x28672 and 2.66x on 28672x8192, where the x-stationary kernel (the tuner's pick before) ran
+2.00 / 2.11 / 2.07x; four rows 2.39-2.59x, eight rows 2.04-2.33x. The first version (no block ahead, masked loads)
+gave 2.44 / 2.81 / 2.67x at one row.
 
 Tiles past ``K`` and rows past ``N`` read zero values with a valid position pair (0, 1), since an invalid one is
 undefined behaviour for the instruction. Positions must be sorted and distinct within a block, as ``compress.nm``
@@ -94,12 +100,11 @@ _ASM_META = gl.constexpr("prmt.b32 $0, $1, $2, 0x6420;")
 
 
 def meta_gather(stripe: int, mg: list[str], mh: list[str], out: str) -> list[str]:
-    """PTX lines: the metadata register ``out`` of tile ``s`` of a stripe ([Note: INT4 stripes]) for a lane whose
-    nibble offset is ``n4`` (4 (t % 2); ``ts`` (the tile ``s``) and ``n4`` are registers of the caller, as are
-    ``sel``, ``u``, ``v``, ``xg``, ``xh``), from the stripe's position words of rows ``g`` (``mg``) and ``g + 8`` (``mh``). The lane's
-    logical blocks ``4n .. 4n + 3`` (``n = t % 2``) are stored blocks ``2 S u + 2s + n``: nibble ``n`` of byte ``S u +
-    s`` of the stripe's positions, ``u = 0 .. 3``; gathered by byte permutes, then two blocks a byte in bytes 0 and 2
-    of both rows, joined."""
+    """PTX lines: the metadata register ``out`` of tile ``s`` of a stripe ([Note: INT4 stripes]), from the stripe's
+    position words of rows ``g`` (``mg``) and ``g + 8`` (``mh``). The caller declares ``ts`` (the tile ``s``), ``n4``
+    (``4 (t % 2)``), ``sel``, ``u``, ``v``, ``xg`` and ``xh``. The lane's logical blocks ``4n .. 4n + 3`` (``n = t %
+    2``) are stored blocks ``2 S u + 2s + n``: nibble ``n`` of byte ``S u + s`` of the stripe's positions, ``u = 0 ..
+    3``; gathered by byte permutes, then two blocks a byte in bytes 0 and 2 of both rows, joined."""
     if stripe == 4:  # byte s of each of four words
         lines = ["mad.lo.u32 sel, ts, 17, 64;"]
         for words, dst in ((mg, "xg"), (mh, "xh")):
