@@ -351,8 +351,9 @@ def finish_run(part_ptr, count_ptr, out_ptr, run_index, row0, M0, M, N, SPLIT, s
 
 @gluon.jit
 def w4_codes(w_ptr, z_ptr, ra, col, z_col, live, N, stride_wn, stride_zn, HAS_ZEROS: gl.constexpr):
-    """2:4 + INT4: a tile's codes of rows ``ra`` (low 16 bits) and ``ra + 8`` (high) from the int16 at ``col``
-    (stored blocks ``2t`` and ``2t + 1``), and both rows' zero points at ``z_col`` (8 without zero points)."""
+    """2:4 + INT4 (the 2:4 GEMM): a tile's codes of rows ``ra`` (low 16 bits) and ``ra + 8`` (high) from the int16 at
+    ``col`` (the lane's two stored blocks of the tile, [Note: INT4 stripes]), and both rows' zero points at ``z_col``
+    (8 without zero points)."""
     lo = gl.load(w_ptr + ra * stride_wn + col, mask=(ra < N) & live, other=0).to(gl.int32) & 0xFFFF
     hi = gl.load(w_ptr + (ra + 8) * stride_wn + col, mask=(ra + 8 < N) & live, other=0).to(gl.int32)
     codes = lo | (hi << 16)
