@@ -97,11 +97,11 @@ def sparse_mma_w4_fits(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor 
     if meta is None or x.dtype != torch.bfloat16 or not 1 <= x.shape[0] <= MAX_M or x.stride(1) != 1:
         return False
     k = x.shape[1]
-    if group % 64 or k % (TILE_K * w4_stripe(group)) or x.stride(0) % 2 or x.data_ptr() % 4 or codes.stride(1) != 1 \
+    stripe = w4_stripe(group)
+    if group % 64 or k % (TILE_K * stripe) or x.stride(0) % 2 or x.data_ptr() % 4 or codes.stride(1) != 1 \
             or codes.shape[1] * 16 != k or s.dim() != 2 or (z is not None and (z.dtype != torch.uint8 or z.dim() != 2)):
         return False
     # a lane reads 2 bytes of codes a tile and every lane the stripe's 4 bytes of positions a tile, in one vector each
-    stripe = w4_stripe(group)
     if (codes.stride(0) * 4) % (2 * stripe) or codes.data_ptr() % 16:
         return False
     if meta.dtype != torch.int16 or meta.dim() != 2 or meta.stride(1) != 1 or meta.shape[1] * 16 != k \
@@ -111,14 +111,10 @@ def sparse_mma_w4_fits(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor 
 
 
 def w4_stripe(group: int) -> int:
-    """Tiles a stripe of the 2:4 + INT4 GEMV ([Note: INT4 stripes] in ``_sparse_mma_kernels``): 4 where the groups
-    hold 128 original columns or a multiple, else 2; a stripe lies in one group."""
+    """Tiles a stripe of 2:4 + INT4 weights in the GEMV and the GEMM ([Note: INT4 stripes] in
+    ``_sparse_mma_kernels``): 4 where the groups hold 128 original columns or a multiple, else 2; a stripe lies in one
+    group."""
     return 4 if group % 128 == 0 else 2
-
-
-@functools.cache
-def _w4_asm(stripe: int) -> tuple[str, str]:
-    return _kernels().w4_stripe_asm(stripe)
 
 
 def run_sparse_mma_w4(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,
@@ -140,7 +136,7 @@ def run_sparse_mma_w4(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, 
     zz = z if z is not None else s
     meta32 = meta.view(torch.int32)
     lanes = codes.view(torch.int64) if stripe == 4 else codes  # a lane's codes of a stripe: 8 or 4 bytes
-    asm, io = _w4_asm(stripe)
+    asm, io = _kernels().w4_stripe_asm(stripe)
     _kernels().sparse_mma_w4_kernel[(cdiv(n, run), split)](
         x.view(torch.int32), lanes, meta32, s, zz, parts, counters, out, m, n, tiles, split,
         x.stride(0) // 2, lanes.stride(0), meta32.stride(0), s.stride(0), zz.stride(0), out.stride(0),

@@ -78,6 +78,8 @@ registers, 4-11 % slower at 4-8 rows).
 """
 from __future__ import annotations
 
+import functools
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
@@ -119,6 +121,7 @@ def meta_gather(stripe: int, mg: list[str], mh: list[str], out: str) -> list[str
     return lines + [f"prmt.b32 {out}, xg, xh, 0x6420;"]
 
 
+@functools.cache
 def w4_stripe_asm(stripe: int) -> tuple[str, str]:
     """2:4 + INT4, one stripe of ``stripe`` (2 or 4) tiles ([Note: INT4 stripes]): the inline asm and its constraints,
     for ``pack=stripe``. Operands in order, ``stripe`` registers each (a broadcast value: only its first is read):
