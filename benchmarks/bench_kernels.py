@@ -190,6 +190,7 @@ def timed(name: str, fn, ref, x, rep: int) -> dict:
 
 def run_shape(k: int, n: int, args) -> list[dict]:
     from zspeed.kernels import kernel_policy
+    from zspeed.kernels._dense_mma import dense_mma_possible
     from zspeed.kernels._pipelined import pipelined_possible, specialized_possible
     from zspeed.kernels._sparse_mma import sparse_mma_possible
 
@@ -206,7 +207,9 @@ def run_shape(k: int, n: int, args) -> list[dict]:
             pipe = name in ("w4a16", "w8a16") and pipelined_possible(x.device, group=128 if name == "w4a16" else 64,
                                                                      k=k)  # the Hopper GEMM keeps wdot to 1023 rows
             frag = name == "w4a16" and specialized_possible(x.device, group=128, k=k)
-            chosen = kernel_policy().path(name, m, semi=s24, sparse_mma=mma, pipelined=pipe, fragment=frag)
+            dense = name == "w4a16" and dense_mma_possible(x.device)  # the INT4 GEMV on tensor cores, to 8 rows
+            chosen = kernel_policy().path(name, m, semi=s24, sparse_mma=mma, pipelined=pipe, fragment=frag,
+                                          dense_mma=dense)
             row["results"][name] = {**timed(name, lambda x_: fn(x_, None), ref, x, args.rep), "path": chosen}
             if not args.no_paths:
                 for path, (lo, hi) in PATH_RANGE[name].items():

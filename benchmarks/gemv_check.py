@@ -1,14 +1,16 @@
 """The GEMV kernels of the ``gemv`` path side by side at a few rows: tile, x-stationary, x-stationary + TMA, and for
-2:4 (plain and + INT4) the kernels on sparse tensor cores (mma: the GEMV up to 8 rows, the GEMM above).
+2:4 (plain and + INT4) the kernels on sparse tensor cores (mma: the GEMV up to 8 rows, the GEMM above), for INT4
+the GEMV on tensor cores (dense, up to 8 rows).
 
     python benchmarks/gemv_check.py [--ms 1 4] [--shapes 8192x8192 8192x28672 28672x8192] [--formats w4 w8 s24]
-                                    [--kinds tile stationary tma mma] [--json F]
+                                    [--kinds tile stationary tma mma dense] [--json F]
 
 For each shape (K x N), format (INT4 g128 with zero points, INT8, plain 2:4 by magnitude) and row count:
 checks each kernel against the reference, tunes each over its own candidates ([Note: kernel tuning] in
 kernels/_word.py), and prints the best time of each beside cuBLAS bf16 in the same process, as speed-ups over
 bf16 (CUDA graphs, L2 flushed before each call: kernels/_runtime.py graph_time_ms). The mma kind checks every
-config, each output on memory that was just filled with NaN, so an element left unwritten fails the check.
+config (and so does dense), each output on memory that was just filled with NaN, so an element left unwritten fails
+the check.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 
 from zspeed.compress import quantize_int4, quantize_int8
 from zspeed.compress.nm import compress_nm, prune_nm
-from zspeed.kernels import _sparse_mma, _word, sparse24_ref, sparse24_w4a16_ref, w4a16_ref, w8a16_ref
+from zspeed.kernels import _dense_mma, _sparse_mma, _word, sparse24_ref, sparse24_w4a16_ref, w4a16_ref, w8a16_ref
 from zspeed.kernels._runtime import graph_time_ms, m_bucket
 
 
@@ -36,7 +38,7 @@ def main() -> None:
     p.add_argument("--shapes", type=_shape, nargs="*", default=[(8192, 8192), (8192, 28672), (28672, 8192)])
     p.add_argument("--formats", nargs="*", default=["w4", "w8"], choices=["w4", "w8", "s24", "s24w4"])
     p.add_argument("--kinds", nargs="*", default=["tile", "stationary", "tma"],
-                   choices=["tile", "stationary", "tma", "mma"])
+                   choices=["tile", "stationary", "tma", "mma", "dense"])
     p.add_argument("--json")
     args = p.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
@@ -83,11 +85,15 @@ def main() -> None:
                          _word.sparse_mma_w4_candidates(m, n, k, group, x.device) if mma_w4
                          else _word.sparse_gemm_candidates(m, n, k, x.device, _sparse_mma.w4_stripe(group)
                                                            if f == _word.FMT_S24W4 else 1) if gemm
-                         else []}
+                         else [],
+                         "dense": _word.dense_mma_w4_candidates(m, n, k, x.device) if f == _word.FMT_W4
+                         and _dense_mma.dense_mma_w4_fits(x, words, s, z, group=group) else []}
                 for kind, cands in kinds.items():
                     if not cands or kind not in args.kinds:
                         continue
                     def launch(c):
+                        if c.dense_mma:
+                            return _word.run_dense_mma(x, words, s, z, c, n=n, group=group)
                         if c.sparse_mma and f == _word.FMT_S24W4:
                             return _word.run_sparse_mma(x, words, meta, c, n=n, s=s, z=z, group=group)
                         if c.sparse_mma:
@@ -99,10 +105,10 @@ def main() -> None:
                         _word._BEST[key] = c
                         return _word.run_gemv(x, words, s, z, meta, fmt=f, group=group, n=n, k=k)
                     def checked(c):
-                        if kind == "mma":  # the output lands on NaN: unwritten elements fail
+                        if kind in ("mma", "dense"):  # the output lands on NaN: unwritten elements fail
                             torch.full((m, n), float("nan"), device="cuda", dtype=x.dtype)
                         return ((launch(c).float() - ref).abs().max() / ref.abs().max()).item()
-                    err = max(checked(c) for c in (cands if kind == "mma" else cands[:2]))
+                    err = max(checked(c) for c in (cands if kind in ("mma", "dense") else cands[:2]))
                     start = time.perf_counter()
                     timed = _word.time_candidates(cands, launch)
                     best = cands[timed[0][1]]

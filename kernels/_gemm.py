@@ -133,8 +133,14 @@ def launch(name: str, fmt: int, x: torch.Tensor, w: torch.Tensor, s: torch.Tenso
             else:
                 sparse_mma = sparse_mma_fits(x, view[0], view[1]) if fmt == FMT_S24 else \
                     sparse_mma_w4_fits(x, view[0], view[1], s, z, group=group)
+        dense_mma = False
+        if fmt == FMT_W4 and view is not None and 1 < x.shape[0] <= policy.dense_gemv_max_m:
+            from ._dense_mma import dense_mma_w4_fits
+
+            dense_mma = dense_mma_w4_fits(x, view[0], s, z, group=group)
         path = kernel_policy().path(name, x.shape[0], words=words, semi=semi, wdot=_word.wdot_fits(fmt, group),
-                                    pipelined=pipelined, sparse_mma=sparse_mma, fragment=fragment)
+                                    pipelined=pipelined, sparse_mma=sparse_mma, fragment=fragment,
+                                    dense_mma=dense_mma)
     if path not in PATHS and path not in WORD_PATHS and path != "semi":
         raise ValueError(f"{name}: unknown path {path!r}; use one of {sorted([*PATHS, *WORD_PATHS, 'semi'])}")
     if x.shape[0] == 0:

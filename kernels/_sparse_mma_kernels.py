@@ -379,15 +379,22 @@ def _w4_block(w_ptr, meta_ptr, s_ptr, z_ptr, rows, a_row, a_col, g_col, m_row, m
     rh = gl.minimum(rows + a_row + 8, N - 1)
     mg = gl.load(meta_ptr + gl.minimum(rows + m_row, N - 1) * stride_mn + m_col)
     mh = gl.load(meta_ptr + gl.minimum(rows + m_row + 8, N - 1) * stride_mn + m_col)
-    if HAS_ZEROS:
-        zg = gl.load(z_ptr + rg * stride_zn + g_col).to(gl.int32)
-        zh = gl.load(z_ptr + rh * stride_zn + g_col).to(gl.int32)
-    else:
-        zg = gl.zeros_like(a_col) + 8
-        zh = zg
-    sg = gl.load(s_ptr + rg * stride_sn + g_col).to(gl.float32)
-    sh = gl.load(s_ptr + rh * stride_sn + g_col).to(gl.float32)
+    zg, zh, sg, sh = group_params(s_ptr, z_ptr, rg, rh, g_col, stride_sn, stride_zn, HAS_ZEROS)
     return gl.load(w_ptr + rg * stride_wn + a_col), gl.load(w_ptr + rh * stride_wn + a_col), mg, mh, zg, zh, sg, sh
+
+
+@gluon.jit
+def group_params(s_ptr, z_ptr, rg, rh, col, stride_sn, stride_zn, HAS_ZEROS: gl.constexpr):
+    """The zero points (int32; 8 without them) and scales (fp32) of rows ``rg`` and ``rh`` at group column ``col``."""
+    if HAS_ZEROS:
+        zg = gl.load(z_ptr + rg * stride_zn + col).to(gl.int32)
+        zh = gl.load(z_ptr + rh * stride_zn + col).to(gl.int32)
+    else:
+        zg = gl.zeros_like(col) + 8
+        zh = zg
+    sg = gl.load(s_ptr + rg * stride_sn + col).to(gl.float32)
+    sh = gl.load(s_ptr + rh * stride_sn + col).to(gl.float32)
+    return zg, zh, sg, sh
 
 
 @gluon.jit

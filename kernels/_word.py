@@ -119,6 +119,11 @@ class WordConfig:
     # cores ([Note: 2:4 GEMV on sparse tensor cores] in _sparse_mma_kernels); block_w / 8 32-column tiles per slice of
     # K, split_k slices, row_blocks blocks of 16 x warps weight rows per program, prefetch blocks loaded ahead (0:
     # none; 2:4 + INT4 has no prefetch)
+    dense_mma: bool = False  # gemv, INT4 with bf16 x on sm_80+, groups of 128 columns or a multiple: the Gluon kernel
+    # on tensor cores ([Note: INT4 GEMV on tensor cores] in _dense_mma_kernels); block_w / 16 stripes of 128 columns
+    # per slice of K (of a program), the rest as sparse_mma
+    k_warps: int = 1  # dense_mma: warps along K, the others along the rows ([Note: warps along K] in
+    # _dense_mma_kernels)
 
 
 @functools.cache
@@ -670,6 +675,53 @@ def sparse_mma_w4_candidates(m: int, n: int, k: int, group: int, device: torch.d
             if (c.block_w // 8) % w4_stripe(group) == 0]
 
 
+# the INT4 GEMV on tensor cores' (stripes of 128 columns a warp, warps, warps along K, blocks loaded ahead: 0 or 1),
+# for 1-8 rows of x and for 9-16 (twice the B registers); 8 stripes a warp with one block ahead spill (sm_90 SASS)
+DENSE_MMA_W4_TILES = {1: ((4, 4, 1, 0), (4, 4, 1, 1), (2, 4, 1, 1), (2, 8, 1, 1), (4, 8, 1, 0), (8, 4, 1, 0),
+                          (2, 4, 1, 0), (4, 8, 1, 1), (4, 4, 2, 1), (4, 4, 4, 1), (2, 4, 4, 1), (4, 8, 2, 1),
+                          (4, 8, 4, 1), (2, 8, 4, 1), (4, 4, 4, 0), (8, 4, 4, 0)),
+                      2: ((2, 4, 1, 1), (2, 4, 1, 0), (4, 4, 1, 0), (1, 4, 1, 1), (2, 8, 1, 1), (1, 8, 1, 1),
+                          (4, 8, 1, 0), (2, 4, 2, 1), (2, 4, 4, 1), (2, 8, 4, 1), (2, 8, 8, 1), (4, 4, 4, 0),
+                          (1, 8, 8, 1))}
+
+
+def dense_mma_w4_candidates(m: int, n: int, k: int, device: torch.device) -> list[WordConfig]:
+    """Configs of the INT4 GEMV on tensor cores (the caller checks ``_dense_mma.dense_mma_w4_fits``): each slice
+    depth, warp count, warps along ``K`` and prefetch depth of ``DENSE_MMA_W4_TILES`` with every run of row blocks
+    that still gives a wave of programs; a short ``K`` takes one slice of a power of two of stripes (the rest
+    masked); slices whose partials do not fit the workspace are left out."""
+    stripes = k // 128
+    sms = _sm_count(device.index or 0)
+    out = []
+    for q, warps, wk, depth in DENSE_MMA_W4_TILES[1 if m <= 8 else 2]:
+        q = min(q * wk, 1 << (stripes - 1).bit_length())  # stripes a program
+        wk = min(wk, q)
+        split = cdiv(stripes, q)
+        rows = 16 * warps // wk
+        if split > 1 and m * split * n > STATIONARY_WORKSPACE:
+            continue
+        runs = [rb for rb in SPARSE_MMA_RUNS if split * cdiv(n, rows * rb) >= sms
+                and cdiv(n, rows * rb) <= WORKSPACE_COUNTERS] or [1]
+        out += [c for c in (WordConfig(1, rows, 16 * q, split, warps, prefetch=depth, row_blocks=rb,
+                                       dense_mma=True, k_warps=wk) for rb in runs) if c not in out]
+    return out
+
+
+def run_dense_mma(x, words, s, z, c: WordConfig, *, n: int, group: int) -> torch.Tensor | None:
+    """The INT4 GEMV on tensor cores with config ``c``; ``None`` where its workspace cannot be made now or is too
+    small for these rows (as :func:`run_stationary`)."""
+    from ._dense_mma import run_dense_mma_w4
+
+    ws = None
+    if c.split_k > 1:
+        ws = _stationary_workspace(x.device)
+        if ws is None or not _workspace_fits(x.shape[0] * c.split_k * n, cdiv(n, c.block_n * c.row_blocks)):
+            return None
+    return run_dense_mma_w4(x, words, s, z, n=n, group=group, stripes_per_slice=c.block_w // 16,
+                            row_blocks=c.row_blocks, warps=c.warps, k_warps=c.k_warps, depth=c.prefetch,
+                            workspace=ws)
+
+
 SPARSE_GEMM_TILES = {2: ((8, 4, 1, 1), (8, 4, 0, 1), (16, 4, 0, 1), (8, 8, 1, 1), (16, 8, 0, 1), (4, 8, 1, 2),
                          (4, 4, 1, 2)),
                      4: ((4, 4, 1, 1), (8, 4, 1, 1), (8, 4, 0, 1), (4, 8, 1, 1), (8, 8, 0, 1), (4, 4, 1, 2),
@@ -798,7 +850,12 @@ def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
     mm = meta if meta is not None else words
 
     def launch(c: WordConfig) -> torch.Tensor:
-        if c.sparse_mma:
+        if c.dense_mma:
+            out = run_dense_mma(x, words, s, z, c, n=n, group=group)
+            if out is not None:
+                return out
+            c = tiles[0]  # no workspace now or too small: the tile kernel
+        elif c.sparse_mma:
             w4 = fmt == FMT_S24W4
             out = run_sparse_mma(x, words, meta, c, n=n, s=s if w4 else None, z=z, group=group)
             if out is not None:
@@ -842,6 +899,14 @@ def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
         mma = sparse_mma_fits(x, words, meta) and sparse_mma_candidates(m, n, k, x.device)
         if mma:  # it beat the CUDA-core kernels at every shape and 1-8 rows (kernels runs 66-73): tune it alone
             return launch(_pick(key, mma, launch))
+    if fmt == FMT_W4:
+        from ._dense_mma import dense_mma_w4_fits
+
+        if dense_mma_w4_fits(x, words, s, z, group=group):
+            dense = dense_mma_w4_candidates(m, n, k, x.device)
+            if m > 1:  # the others' instructions grow with the rows, its do not (kernels run 160): tune it alone
+                return launch(_pick(key, dense, launch))
+            stationary = stationary + dense
     if fmt == FMT_S24W4:
         from ._sparse_mma import sparse_mma_w4_fits
 

@@ -30,7 +30,12 @@ GEMM on sparse tensor cores] in ``_sparse_gemm_kernels``; H100, kernels runs 148
 at 16 rows, 0.89-1.33x at 32 and 0.63-1.06x at 64, where split-K gave 0.73-0.86x, 0.50-0.57x and
 0.68-0.79x; at 64 rows split-K still wins on 8192x8192 by 5-7 %, the GEMM on the larger shapes by
 16-38 %). From 128 rows plain 2:4 takes cuSPARSELt (``semi``) and 2:4 + INT4 goes dense (the GEMM
-gave 0.42-0.50x there against dense 0.42-0.46x).
+gave 0.42-0.50x there against dense 0.42-0.46x). INT4 with bf16 ``x`` and groups of a multiple of 128
+columns keeps ``gemv`` up to ``dense_gemv_max_m`` rows where its GEMV on tensor cores runs ([Note: INT4 GEMV
+on tensor cores] in ``_dense_mma_kernels``), for the same reason: 1 to 8 rows of ``x`` are one MMA's
+columns (H100, kernels runs 163-164: 2.36-2.57x of bf16 at 4 rows and 2.11-2.41x at 8, where ``wdot`` gave
+1.94-2.25x at 4 rows, run 153). From 9 rows it would run two blocks of 8 through each fragment, and lost to
+``wdot`` there (1.30-1.61x at 16 rows against 1.90-2.22x, runs 149 and 163), so ``wdot`` keeps them.
 Shapes the word kernels cannot read, and the 2:4 formats above ``gemv_max_m``, use
 the generic skeleton: split-K keeps the GPU full when the output has few tiles. At
 medium ``M`` a tiled GEMM still saves bytes. At large ``M`` the matmul is compute-bound
@@ -64,6 +69,7 @@ class KernelPolicy:
     fragment_dense_min_m: int = 3072  # INT4 / INT8 where the register-operand kernel runs ([Note: crossover])
     sparse_gemv_max_m: int = 8  # 2:4 (plain, + INT4) keeps gemv up to here where it runs on sparse tensor cores
     sparse_gemm_max_m: int = 64  # and from there up to here on the 2:4 GEMM on sparse tensor cores
+    dense_gemv_max_m: int = 8  # INT4 keeps gemv up to here where it runs on tensor cores
     force: str | None = None
 
     def __post_init__(self) -> None:
@@ -74,7 +80,8 @@ class KernelPolicy:
                              f"splitk_max_m={self.splitk_max_m}")
 
     def path(self, fmt: str, m: int, *, words: bool = True, semi: bool = False, wdot: bool = True,
-             pipelined: bool = False, sparse_mma: bool = False, fragment: bool = False) -> str:
+             pipelined: bool = False, sparse_mma: bool = False, fragment: bool = False,
+             dense_mma: bool = False) -> str:
         """The path for ``m`` rows; ``words``: whether the weight can be read word-wise (``_word.word_view``,
         ``_word.words_fit_groups``); ``semi``: whether plain 2:4 can run on sparse tensor cores
         (``semi.semi_supported``); ``wdot``: whether the tensor-core word kernel has a tile for the groups;
@@ -82,7 +89,8 @@ class KernelPolicy:
         ``sparse_mma``: whether 2:4 (plain or + INT4) can take the GEMV (up to 8 rows) or the GEMM (more) on sparse
         tensor cores (``_sparse_mma``);
         ``fragment``: whether INT4 / INT8 can also take the register-operand kernel
-        (``_pipelined.specialized_possible``)."""
+        (``_pipelined.specialized_possible``); ``dense_mma``: whether INT4 can take the GEMV on tensor cores
+        (``_dense_mma.dense_mma_w4_fits``)."""
         forced = self.force or os.environ.get("ZSPEED_KERNEL_PATH") or None
         if forced:
             if forced not in PATH_NAMES:
@@ -92,6 +100,8 @@ class KernelPolicy:
             return "gemv"
         if words and sparse_mma and fmt in ("sparse24", "sparse24_w4a16") \
                 and m <= max(self.sparse_gemv_max_m, self.sparse_gemm_max_m):
+            return "gemv"
+        if words and dense_mma and fmt == "w4a16" and m <= self.dense_gemv_max_m:
             return "gemv"
         if semi and fmt == "sparse24" and m >= self.semi_min_m:
             return "semi"

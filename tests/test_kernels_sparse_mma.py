@@ -8,14 +8,13 @@ integer data (``benchmarks/sparse_mma_check.py``) and against the reference at f
 --formats s24 s24w4 --kinds mma``; benchmarks/RESULTS.md, kernels runs 66-69 and 141-142)."""
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.sm90_compile import run_compile_script
+from tests.gemv_kernels import Picked, compile_gemv_kernel, record_offers
 from zspeed.kernels import KernelPolicy, _sparse_mma, _word
 
 
@@ -111,24 +110,11 @@ def test_policy_keeps_2_4_on_gemv_up_to_64_rows_only_where_it_runs():
     assert KernelPolicy(sparse_gemm_max_m=8).path("sparse24", 9, sparse_mma=True) == "splitk"
 
 
-class Picked(Exception):
-    """Raised by the tuner stand-in of :func:`offered` once it has the candidates."""
-
-
 @pytest.fixture
 def offered(monkeypatch) -> list:
-    """The candidate lists that ``_word.run_gemv`` hands its tuner (which raises :class:`Picked`), on a stand-in
-    H100 where the sparse tensor-core kernels run."""
-    monkeypatch.setattr(_word, "_sm_count", lambda index: 132)
-    monkeypatch.setattr(_sparse_mma, "sparse_mma_possible", lambda device: True)
-    lists = []
-
-    def pick(key, candidates, launch):
-        lists.append(candidates)
-        raise Picked
-
-    monkeypatch.setattr(_word, "_pick", pick)
-    return lists
+    """The candidate lists that ``_word.run_gemv`` hands its tuner, on a stand-in H100 where the sparse tensor-core
+    kernels run."""
+    return record_offers(monkeypatch, _sparse_mma, "sparse_mma_possible")
 
 
 def test_gemv_tunes_plain_2_4_on_sparse_tensor_cores_alone_and_2_4_int4_beside_the_others(offered):
@@ -246,53 +232,11 @@ def test_bad_arguments_are_refused_before_launch():
         _sparse_mma.run_sparse_mma(x, words, meta, n=64, tiles_per_slice=2, row_blocks=1, warps=4, workspace=None)
 
 
-_COMPILE = r'''
-import json, os, re, subprocess, sys
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.runtime.jit import mangle_type
-from triton.experimental.gluon._runtime import GluonASTSource
-from zspeed.kernels import _sparse_gemm_kernels, _sparse_mma_kernels
-
-kernel_name, const = sys.argv[1], json.loads(sys.argv[2])
-fn = getattr(_sparse_gemm_kernels if kernel_name.startswith("sparse_gemm") else _sparse_mma_kernels, kernel_name)
-w4 = kernel_name.endswith("w4_kernel") or const.get("W4", False)  # 2:4 + INT4: codes read as int16, scales, zeros
-w_dtype = torch.int16 if w4 else torch.int32
-if kernel_name == "sparse_mma_w4_kernel":  # the GEMV: a lane's codes of a stripe in one load, the stripe's asm
-    const["ASM"], const["ASM_IO"] = _sparse_mma_kernels.w4_stripe_asm(const["STRIPE"])
-    w_dtype = torch.int64 if const["STRIPE"] == 4 else torch.int32
-n, k = 8192, 8192
-values = dict(x_ptr=torch.empty(1, dtype=torch.int32), w_ptr=torch.empty(1, dtype=w_dtype),
-              meta_ptr=torch.empty(1, dtype=torch.int32), s_ptr=torch.empty(1, dtype=torch.bfloat16),
-              z_ptr=torch.empty(1, dtype=torch.uint8), part_ptr=torch.empty(1, dtype=torch.float32),
-              count_ptr=torch.empty(1, dtype=torch.int32), out_ptr=torch.empty(1, dtype=torch.bfloat16),
-              M=1, N=n, TILES=k // 32, SPLIT=4, CHUNKS=8, RUNS=n // 64, stride_xm=k // 2, stride_wn=k // 8 if w4 else k // 4,
-              stride_mn=k // 32, stride_sn=k // 128, stride_zn=k // 128, stride_om=n)
-names = [a for a in fn.arg_names if a not in const]
-sig = {a: mangle_type(values[a]) for a in names}
-sig.update({a: "constexpr" for a in const})
-# pointers and strides as the JIT specializes them at a real launch (multiples of 16)
-attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in names
-         if a.endswith("_ptr") or a.startswith("stride") or a == "N"}
-kernel = triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                        options={"num_warps": const["num_warps"]})
-path = sys.argv[3]
-open(path, "wb").write(kernel.asm["cubin"])
-tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
-res = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
-ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", sass, flags=re.M)
-print(json.dumps({"ops": ops, "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
-                  "local": int(re.search(r"LOCAL:(\d+)", res).group(1)),
-                  "regs": int(re.search(r"REG:(\d+)", res).group(1))}))
-'''
-
-
 def _compiled(tmp_path: Path, kernel: str, **const) -> dict:
     if _sparse_mma._kernels() is None:
         pytest.skip("this triton has no Gluon")
     const = {"PARTIAL": True, "FIX_K": 4, **({} if kernel == "sparse_gemm_kernel" else {"ROW_BLOCKS": 4}), **const}
-    return run_compile_script(_COMPILE, [kernel, json.dumps(const), str(tmp_path / f"{kernel}.cubin")], tmp_path)
+    return compile_gemv_kernel(tmp_path, kernel, const)
 
 
 def _one_sparse_mma_per_tile(got: dict, kt: int) -> None:

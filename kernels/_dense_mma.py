@@ -1,0 +1,96 @@
+"""Launcher of the INT4 GEMV on tensor cores ([Note: INT4 GEMV on tensor cores] in ``_dense_mma_kernels``).
+
+The ``gemv`` path tunes it where :func:`dense_mma_w4_fits` (1 to 16 rows of ``x``, groups of a multiple of 128
+columns; the policy sends it 1 to 8): beside the x-stationary kernels at one row, alone at more. It runs only
+compiled on an sm_80+ GPU (the interpreter cannot run Gluon or ``mma.sync``), so CPU tests compile it for sm_90 and
+check the instructions and run its inline asm through a PTX emulator, and GPU runs check its outputs against the
+reference (``benchmarks/gemv_check.py --kinds dense``).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ._runtime import cdiv, interpreting
+
+STRIPE_K = 128  # columns of a stripe: 8 MMAs of 16 columns, one 16-byte load a lane and row
+MAX_M = 16  # rows of x: two blocks of 8, each one MMA's N side
+
+
+@functools.cache
+def _kernels():
+    """The kernel module, or ``None`` where this Triton has no Gluon to build it with."""
+    try:
+        from . import _dense_mma_kernels
+    except ImportError:
+        return None
+    return _dense_mma_kernels
+
+
+def dense_mma_possible(device: torch.device) -> bool:
+    """Compiled (not interpreted) on an sm_80+ GPU, with a Triton that has Gluon."""
+    if interpreting() or device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0) and _kernels() is not None
+
+
+def dense_mma_w4_fits(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, *,
+                      group: int) -> bool:
+    """:func:`dense_mma_possible`, with 1 to 16 bf16 rows of ``x``, ``K`` and the groups multiples of 128 columns,
+    INT4 words ``(N, K / 8)`` int32 in rows a lane can read 16 bytes of at a time, 2-D scales and uint8 zero points
+    or none."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16 or not 1 <= x.shape[0] <= MAX_M or x.stride(1) != 1:
+        return False
+    k = x.shape[1]
+    if k % STRIPE_K or group % STRIPE_K or words.dtype != torch.int32 or words.dim() != 2 \
+            or words.shape[1] * 8 != k or words.stride(1) != 1 or words.stride(0) % 4 or words.data_ptr() % 16:
+        return False
+    if s.dim() != 2 or s.shape[1] * group < k or (z is not None and (z.dtype != torch.uint8 or z.dim() != 2)):
+        return False
+    return dense_mma_possible(x.device)
+
+
+def run_dense_mma_w4(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, *, n: int,
+                     group: int, stripes_per_slice: int, row_blocks: int, warps: int, k_warps: int = 1,
+                     depth: int = 0, workspace: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """INT4 ``x @ dequant(words)^T`` in bf16 (:func:`dense_mma_w4_fits`): ``stripes_per_slice`` stripes of 128
+    columns of ``K`` per program (a power of two), ``k_warps`` of the ``warps`` splitting them ([Note: warps along K]
+    in ``_dense_mma_kernels``), ``row_blocks`` blocks of ``16 * warps / k_warps`` weight rows per program (a power of
+    two), ``depth`` (0 or 1) of them loaded ahead; 9 to 16 rows run two blocks of 8 through each weight
+    fragment. More than one slice needs ``workspace`` ``(partials,
+    counters)`` ([Note: split-K fix-up] in ``_word``)."""
+    q, rb = stripes_per_slice, row_blocks
+    if q < 1 or q & (q - 1) or rb < 1 or rb & (rb - 1) or warps not in (1, 2, 4, 8) or depth not in (0, 1) \
+            or k_warps < 1 or warps % k_warps or q % k_warps:
+        raise ValueError(f"run_dense_mma_w4: stripes_per_slice and row_blocks must be powers of two, warps 1, 2, 4 "
+                         f"or 8, k_warps a divisor of both warps and stripes_per_slice, depth 0 or 1; got {q}, {rb}, "
+                         f"{warps}, {k_warps}, {depth}")
+    if group % STRIPE_K:
+        raise ValueError(f"run_dense_mma_w4: the groups must be a multiple of {STRIPE_K} columns, got {group}")
+    m, k = x.shape
+    stripes = k // STRIPE_K
+    split = cdiv(stripes, q)
+    run = 16 * warps // k_warps * rb
+    runs = cdiv(n, run)
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if split > 1:
+        if workspace is None:
+            raise ValueError("run_dense_mma_w4: more than one slice of K needs the fix-up workspace (partials, "
+                             "counters)")
+        parts, counters = workspace
+        if m * split * n > parts.numel() or runs > counters.numel():
+            raise ValueError(f"run_dense_mma_w4: {m} rows x {split} slices x {n} partials (or {runs} counters) do "
+                             f"not fit the workspace")
+    else:
+        parts, counters = out, words
+    zz = z if z is not None else s
+    nt = 1 if m <= 8 else 2
+    asm, io = _kernels().w4_dense_asm(nt)
+    _kernels().dense_mma_w4_kernel[(runs, split)](
+        x.view(torch.int16), words, s, zz, parts, counters, out, m, n, stripes, split,
+        x.stride(0), words.stride(0), s.stride(0), zz.stride(0), out.stride(0),
+        GROUP=group, HAS_ZEROS=z is not None, Q=q // k_warps, WK=k_warps, NT=nt, ROW_BLOCKS=rb, DEPTH=depth,
+        EVEN_K=stripes % q == 0,
+        PARTIAL=split > 1, FIX_K=max(1, min(16, 4096 // run)), ASM=asm, ASM_IO=io, num_warps=warps)
+    return out

@@ -1,0 +1,217 @@
+"""The INT4 GEMV on tensor cores (``mma.sync.m16n8k16``), written in Gluon: W4A16 weights times up to 16 rows of ``x``.
+
+Imported lazily, like ``_sparse_mma_kernels``; only on an sm_80+ GPU with a Triton that has Gluon
+(``_dense_mma.dense_mma_possible``).
+
+[Note: INT4 GEMV on tensor cores] The x-stationary kernels (``_stationary_kernels``) multiply each code on the CUDA
+cores: two instructions a code and row of ``x`` ([Note: subnormal codes]), so four rows of ``x`` cost four times the
+instructions of one, and the tensor-core ``wdot`` takes over from two rows with its own costs (a tile's
+dequantized weights go through shared memory). Here the weights go into ``mma.sync.m16n8k16`` straight from the
+registers they were loaded into, as the 2:4 GEMV does on sparse tensor cores ([Note: 2:4 GEMV on sparse tensor cores]
+in ``_sparse_mma_kernels``, whose schedule this kernel keeps):
+
+- weight rows are the MMA's ``M`` side (16 a warp), the rows of ``x`` its ``N`` side (8 columns, ``M`` of them
+  used): 1 to 8 rows of ``x`` cost the same instructions;
+- ``K`` is walked in *stripes* of 128 columns (8 MMAs), each inside one quantization group. Lane ``4g + t`` loads
+  words ``4t .. 4t + 3`` of the stripe of rows ``g`` and ``g + 8``: one 16-byte load a row. The MMA's ``A`` fragment
+  wants columns ``2t, 2t + 1, 2t + 8, 2t + 9`` of each 16-column step, but any assignment of columns to the steps
+  gives the same product if ``x`` (the ``B`` operand, loaded once, in any order) follows it, and the ``k`` index of a
+  fragment register depends only on ``t`` in ``A`` and ``B`` alike. So word ``w`` of the lane (original columns
+  ``c .. c + 7``, ``c = 128 q + 8 (4t + w)``) feeds steps ``2w`` and ``2w + 1``: step ``2w + h`` takes the nibble
+  pairs ``(2h, 2h + 4)`` as its columns ``2t, 2t + 1`` and ``(2h + 1, 2h + 5)`` as ``2t + 8, 2t + 9``, and ``B``
+  register ``r`` of that step holds ``x[c + 2h + r]`` and ``x[c + 2h + r + 4]``;
+- a nibble pair ``(p, p + 4)`` is where ``word >> 4p`` has it, in bits 0-3 and 16-19: one ``lop3`` masks both into
+  ``0x4300`` (the bf16 pair ``(128 + code, 128 + code')``) and one ``fma.bf16x2`` by 1 plus ``-(128 + zero)`` makes
+  it ``code - zero``, exact; 11 instructions a word (3 shifts) for its 8 codes;
+- a stripe's 8 MMAs chain through one accumulator in one inline-asm call (``w4_dense_asm``); the group's scale then
+  multiplies the stripe's fp32 sums (one rounding fewer than the reference, which rounds each weight to bf16);
+- ``x`` stays in registers while the weight rows stream past in blocks of 16 rows a warp ([Note: x-stationary
+  GEMV] in ``_stationary_kernels``), the next block's words, scales and zero points in flight while this one
+  multiplies (``DEPTH`` 1). The words are read unmasked, as [Note: INT4 stripes] reads 2:4 + INT4: rows past ``N``
+  read row ``N - 1`` (their sums are not stored) and stripes past ``K`` the last stripe (``x`` is zero there);
+- slices of ``K`` meet as in the other x-stationary kernels: fp32 partials, summed in slice order by the run's last
+  program (``finish_run``).
+
+[Note: warps along K] Each slice of ``K`` adds a fp32 partial a row of ``x`` and output, written and read back once:
+at 8 rows and 16 slices (8192x8192) that is 4 MB of 33.5, and the GEMV took 27 us against 21 at one row (kernels runs
+160-161). A warp's slice is bounded by the ``B`` registers it holds (16 a stripe and block of 8 rows of ``x``), so
+the program's warps may split ``K`` instead of the rows: with ``WK`` warps along ``K`` a program covers ``WK`` times
+a warp's slice for ``16 * num_warps / WK`` rows, and the warps' sums meet in shared memory (Triton's reduction across
+warps) before one partial a program is stored.
+
+A warp's loop costs about 140 instructions a stripe for 1 KB of words (16 rows x 128 columns; sm_90 SASS, 4 stripes
+with one block ahead: 556), a seventh of an instruction a byte whatever the rows of ``x`` up to 8, where the
+x-stationary kernel's two instructions a code and row grow with the rows.
+
+Measured on an H100 (benchmarks/RESULTS.md, kernels runs 160-164, bf16 in the same process): 2.62-2.82x of bf16 at
+one row (the x-stationary TMA kernel: 2.49-2.80x; the tuner times both), 2.36-2.59x at four rows (``wdot``:
+1.94-2.25x) and 2.11-2.41x at eight. On an H200 (run 165) 2.22-2.39x at one row, behind the TMA kernel's 2.45-2.60x,
+and 1.86-2.10x at four. Two blocks of 8 rows of ``x`` a fragment (9 to 16 rows, ``NT`` 2) run but lose to ``wdot``
+(1.30-1.61x at 16 rows against 1.90-2.22x), so the policy keeps them on ``wdot``.
+"""
+from __future__ import annotations
+
+import functools
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from ._sparse_mma_kernels import _along3, _along4, _store_sums, finish_run, group_params
+
+_MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+
+
+@functools.cache
+def w4_dense_asm(nt: int) -> tuple[str, str]:
+    """One stripe of INT4 weights ([Note: INT4 GEMV on tensor cores]) times ``nt`` (1 or 2) blocks of 8 rows of
+    ``x``: the inline asm and its constraints, for ``pack=4``. Operands, 4 registers each: the lane's words of the
+    stripe of rows ``g`` and ``g + 8``, the ``B`` registers of its words 0-3 for each block of ``x`` (register ``2h +
+    r`` of word ``w``: register ``r`` of step ``2w + h``), and ``-(128 + zero)`` in both bf16 halves of rows ``g`` and
+    ``g + 8`` (only the first register of each is read). Out, per block of ``x``: the stripe's sums of row ``g``
+    times its rows ``2t``, ``2t + 1``, then row ``g + 8``."""
+    if nt not in (1, 2):
+        raise ValueError(f"w4_dense_asm: 1 or 2 blocks of 8 rows of x, got {nt}")
+    first = 4 * nt  # the outputs' registers come first
+    cg, ch = [first + w for w in range(4)], [first + 4 + w for w in range(4)]
+    b = [[first + 8 + 4 * i + slot for slot in range(4)] for i in range(4 * nt)]  # b[4 tile + w][slot]
+    nzg = first + 8 + 16 * nt
+    nzh = nzg + 4
+    lines = ["{", ".reg .b32 y, one, a<4>, g<4>, h<4>;", ".reg .f32 e<8>, z;", "mov.b32 one, 0x3F803F80;",
+             "mov.f32 z, 0f00000000;"]
+
+    def deq(dst: str, src: str, nz: int) -> list[str]:  # nibbles at bits 0-3 and 16-19 -> (code - zero) x 2
+        return [f"lop3.b32 y, {src}, 0x000F000F, 0x43004300, 0xEA;", f"fma.rn.bf16x2 {dst}, y, one, ${nz};"]
+
+    for w in range(4):
+        for row, reg in (("g", cg[w]), ("h", ch[w])):
+            lines += [f"mov.b32 {row}0, ${reg};"] + [f"shr.u32 {row}{p}, ${reg}, {4 * p};" for p in (1, 2, 3)]
+        for h in range(2):
+            # A: (row g, cols 2t, 2t + 1), (row g + 8, same), (row g, cols 2t + 8, 2t + 9), (row g + 8, same)
+            lines += deq("a0", f"g{2 * h}", nzg) + deq("a1", f"h{2 * h}", nzh)
+            lines += deq("a2", f"g{2 * h + 1}", nzg) + deq("a3", f"h{2 * h + 1}", nzh)
+            for tile in range(nt):
+                e = ", ".join(f"e{4 * tile + i}" for i in range(4))
+                acc = "z, z, z, z" if w == h == 0 else e
+                lines.append(f"{_MMA} {{{e}}}, {{a0, a1, a2, a3}}, {{${b[4 * tile + w][2 * h]}, "
+                             f"${b[4 * tile + w][2 * h + 1]}}}, {{{acc}}};")
+    lines += [f"mov.f32 ${i}, e{i};" for i in range(4 * nt)] + ["}"]
+    return "\n".join(lines), ",".join(["=f"] * (4 * nt) + ["r"] * (4 * (4 + 4 * nt)))
+
+
+@gluon.jit
+def _w4_rows(w_ptr, s_ptr, z_ptr, rows, a_row, a_col, s_row, g_col, N, stride_wn, stride_sn, stride_zn,
+             HAS_ZEROS: gl.constexpr):
+    """A block's operands of every stripe of the slice: the lane's words of rows ``g`` and ``g + 8``, the zero
+    points (int32; 8 without) and scales (fp32) of both rows. Unmasked: rows from ``N`` on read row ``N - 1``."""
+    rg = gl.minimum(rows + a_row, N - 1)
+    rh = gl.minimum(rows + a_row + 8, N - 1)
+    zg, zh, sg, sh = group_params(s_ptr, z_ptr, gl.minimum(rows + s_row, N - 1), gl.minimum(rows + s_row + 8, N - 1),
+                                  g_col, stride_sn, stride_zn, HAS_ZEROS)
+    return gl.load(w_ptr + rg * stride_wn + a_col), gl.load(w_ptr + rh * stride_wn + a_col), zg, zh, sg, sh
+
+
+@gluon.jit
+def dense_mma_w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_ptr, M, N, STRIPES, SPLIT,
+                        stride_xm, stride_wn, stride_sn, stride_zn, stride_om, GROUP: gl.constexpr,
+                        HAS_ZEROS: gl.constexpr, Q: gl.constexpr, WK: gl.constexpr, NT: gl.constexpr,
+                        ROW_BLOCKS: gl.constexpr, DEPTH: gl.constexpr, EVEN_K: gl.constexpr, PARTIAL: gl.constexpr,
+                        FIX_K: gl.constexpr, ASM: gl.constexpr, ASM_IO: gl.constexpr, num_warps: gl.constexpr):
+    """INT4 ``out[M, N] = x @ dequant(words)^T`` for ``M <= 8 * NT`` ([Note: INT4 GEMV on tensor cores]).
+
+    ``x_ptr``: ``x`` (M, K) bf16 read as int16; ``w_ptr``: the words (N, K / 8) int32, column ``8c + i`` in nibble
+    ``i`` of word ``c``; ``s_ptr`` / ``z_ptr``: scales and uint8 zero points (``HAS_ZEROS`` false: 8) per (row, group
+    of ``GROUP`` columns, a multiple of 128). ``STRIPES = K / 128``. Grid ``(runs, SPLIT)``: a program owns ``WK *
+    Q`` stripes of ``K`` (powers of two), ``Q`` a warp, its warps ``WK`` along ``K`` by ``num_warps / WK`` along the
+    rows ([Note: warps along K]), and a run of ``ROW_BLOCKS`` blocks of ``16 * num_warps / WK`` weight rows; ``DEPTH``
+    1 loads the next block while this one multiplies (0: each where it is used); ``EVEN_K``: ``WK * Q`` divides
+    ``STRIPES``; ``NT`` (1 or 2) blocks of 8 rows of ``x`` go through each weight fragment; ``ASM`` / ``ASM_IO``:
+    ``w4_dense_asm(NT)``."""
+    WR: gl.constexpr = num_warps // WK  # warps along the rows
+    QW: gl.constexpr = Q * WK  # stripes a program
+    L4: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, Q, 4], threads_per_warp=[1, 32, 1, 1],
+                                        warps_per_cta=[WR, 1, WK, 1], order=[3, 2, 1, 0])
+    Q3: gl.constexpr = gl.SliceLayout(3, L4)  # per stripe
+    O3: gl.constexpr = gl.SliceLayout(2, L4)  # per accumulator slot
+    ROWS: gl.constexpr = 16 * WR
+    pid_r = gl.program_id(0)
+    pid_k = gl.program_id(1)
+
+    # B: axis 2 the stripe q, axis 3 the slot j; tensor w holds word w's registers, slot j = x[c + j], x[c + j + 4]
+    lane = _along4(32, 1, L4)
+    g = lane // 4
+    t = lane % 4
+    q = pid_k * QW + _along4(QW, 2, L4)
+    j = _along4(4, 3, L4)
+    xmask = (g < M) & (q < STRIPES)
+    xrow = x_ptr + g * stride_xm + q * 128 + 32 * t + j
+    b0 = _x_pairs(xrow, xmask)
+    b1 = _x_pairs(xrow + 8, xmask)
+    b2 = _x_pairs(xrow + 16, xmask)
+    b3 = _x_pairs(xrow + 24, xmask)
+    if NT == 2:  # rows 8-15 of x
+        xmask8 = (g + 8 < M) & (q < STRIPES)
+        b4 = _x_pairs(xrow + 8 * stride_xm, xmask8)
+        b5 = _x_pairs(xrow + 8 * stride_xm + 8, xmask8)
+        b6 = _x_pairs(xrow + 8 * stride_xm + 16, xmask8)
+        b7 = _x_pairs(xrow + 8 * stride_xm + 24, xmask8)
+
+    # words: lane 4g + t, words 4t + j of each stripe of rows g and g + 8 (one 16-byte load a stripe and row);
+    # stripes past K read the last one (x is zero there); scales and zero points one a stripe and row
+    a_row = 16 * _along4(WR, 0, L4) + g
+    if EVEN_K:
+        a_col = q * 16 + 4 * t + j
+        q3 = pid_k * QW + _along3(QW, 2, Q3)
+    else:
+        a_col = gl.minimum(q, STRIPES - 1) * 16 + 4 * t + j
+        q3 = gl.minimum(pid_k * QW + _along3(QW, 2, Q3), STRIPES - 1)
+    g_col = q3 // (GROUP // 128)
+    s_row = 16 * _along3(WR, 0, Q3) + _along3(32, 1, Q3) // 4
+
+    # slot j of a sum: weight row g + 8 (j // 2), row 2t + j % 2 of x
+    lane_o = _along3(32, 1, O3)
+    slot = _along3(4, 2, O3)
+    o_row = 16 * _along3(WR, 0, O3) + lane_o // 4 + 8 * (slot // 2)
+    o_m = 2 * (lane_o % 4) + slot % 2
+    o_live = o_m < M
+
+    row0 = pid_r * (ROWS * ROW_BLOCKS)
+    if DEPTH == 1:
+        nxt = _w4_rows(w_ptr, s_ptr, z_ptr, row0, a_row, a_col, s_row, g_col, N, stride_wn, stride_sn, stride_zn,
+                       HAS_ZEROS)
+    for blk in range(ROW_BLOCKS):
+        rows = row0 + blk * ROWS
+        if DEPTH == 1:  # this block's operands were loaded during the last one; the next block's go in flight now
+            cg, ch, zg, zh, sg, sh = nxt
+            if blk + 1 < ROW_BLOCKS:
+                nxt = _w4_rows(w_ptr, s_ptr, z_ptr, rows + ROWS, a_row, a_col, s_row, g_col, N, stride_wn, stride_sn,
+                               stride_zn, HAS_ZEROS)
+        else:
+            cg, ch, zg, zh, sg, sh = _w4_rows(w_ptr, s_ptr, z_ptr, rows, a_row, a_col, s_row, g_col, N, stride_wn,
+                                              stride_sn, stride_zn, HAS_ZEROS)
+        nzg = gl.broadcast(gl.expand_dims((zg | 0xC300) * 0x10001, 3), cg)[0]  # -(128 + zero) in both halves
+        nzh = gl.broadcast(gl.expand_dims((zh | 0xC300) * 0x10001, 3), cg)[0]
+        scale = gl.where(j < 2, gl.expand_dims(sg, 3), gl.expand_dims(sh, 3))
+        row = rows + o_row
+        if NT == 1:
+            d = gl.inline_asm_elementwise(ASM, ASM_IO, [cg, ch, b0, b1, b2, b3, nzg, nzh], dtype=gl.float32,
+                                          is_pure=True, pack=4)
+            _store_sums(gl.sum(d * scale, axis=2), out_ptr, part_ptr, row, o_m, o_live & (row < N), N, SPLIT, pid_k,
+                        stride_om, PARTIAL)
+        else:
+            d0, d1 = gl.inline_asm_elementwise(ASM, ASM_IO, [cg, ch, b0, b1, b2, b3, b4, b5, b6, b7, nzg, nzh],
+                                               dtype=(gl.float32, gl.float32), is_pure=True, pack=4)
+            _store_sums(gl.sum(d0 * scale, axis=2), out_ptr, part_ptr, row, o_m, o_live & (row < N), N, SPLIT, pid_k,
+                        stride_om, PARTIAL)
+            _store_sums(gl.sum(d1 * scale, axis=2), out_ptr, part_ptr, row, o_m + 8, (o_m + 8 < M) & (row < N), N,
+                        SPLIT, pid_k, stride_om, PARTIAL)
+    if PARTIAL:
+        finish_run(part_ptr, count_ptr, out_ptr, pid_r, row0, 0, M, N, SPLIT, stride_om, ROWS * ROW_BLOCKS, FIX_K,
+                   num_warps)
+
+
+@gluon.jit
+def _x_pairs(xrow, xmask):
+    """``B`` registers of one word of each stripe: slot ``j`` holds ``x[c + j]`` (low half) and ``x[c + j + 4]``."""
+    lo = gl.load(xrow, mask=xmask, other=0).to(gl.int32) & 0xFFFF
+    hi = gl.load(xrow + 4, mask=xmask, other=0).to(gl.int32)
+    return lo | (hi << 16)

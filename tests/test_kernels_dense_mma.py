@@ -1,0 +1,234 @@
+"""The INT4 GEMV on tensor cores ([Note: INT4 GEMV on tensor cores] in kernels/_dense_mma_kernels.py), a Gluon kernel
+around inline ``mma.sync`` that the CPU interpreter cannot run. Here: the stripe's inline asm, run lane by lane by a
+small PTX emulator against ``(codes - zero) @ x^T``; when the kernel is offered and chosen; that bad arguments are
+refused; and that it compiles for sm_90 into what it exists for: 8 MMAs a stripe and block of 8 rows of ``x``, one
+16-byte load a stripe and weight row, a bf16 subtraction a code pair, nothing spilled. Its values are checked on the
+GPU against the reference at full size (``benchmarks/gemv_check.py --formats w4 --kinds dense``; benchmarks/RESULTS.md,
+kernels runs 160-163)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from tests.gemv_kernels import Picked, compile_gemv_kernel, record_offers
+from zspeed.kernels import KernelPolicy, _dense_mma, _word
+
+_kernels = pytest.importorskip("zspeed.kernels._dense_mma_kernels", reason="this triton has no Gluon")
+
+
+def _bf16_bits(v: torch.Tensor) -> torch.Tensor:
+    return v.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+
+
+def _pair(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    return _bf16_bits(lo) | (_bf16_bits(hi) << 16)
+
+
+def _unpair(reg: int) -> tuple[float, float]:
+    both = torch.tensor([reg & 0xFFFF, (reg >> 16) & 0xFFFF], dtype=torch.int32).to(torch.int16)
+    lo, hi = both.view(torch.bfloat16).float().tolist()
+    return lo, hi
+
+
+def _emulate(asm: str, operands: list[list[int | float]]) -> list[list[float]]:
+    """Run the inline asm on 32 lanes: ``operands[lane][i]`` is ``$i`` (outputs first, ignored on input); the
+    instructions the stripe's asm uses, ``mma.sync.m16n8k16`` across the lanes as the PTX ISA lays out its fragments."""
+    regs = [dict() for _ in range(32)]
+
+    def val(lane: int, name: str):
+        if name.startswith("$"):
+            return operands[lane][int(name[1:])]
+        if name.startswith("0f"):
+            return 0.0
+        if name.startswith("0x") or name.isdigit():
+            return int(name, 0)
+        return regs[lane][name]
+
+    outputs = [[0.0] * 8 for _ in range(32)]
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line in "{}" or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        if op.startswith("mma.sync"):
+            groups = [g.split(", ") for g in re.findall(r"\{([^}]*)\}", rest)]
+            d, a, b, c = groups
+            A, B, C = torch.zeros(16, 16), torch.zeros(16, 8), torch.zeros(16, 8)
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                a_vals = [_unpair(val(lane, r)) for r in a]
+                for (row, col), (lo, hi) in zip(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)),
+                                                a_vals):
+                    A[row, col], A[row, col + 1] = lo, hi
+                for i, r in enumerate(b):
+                    B[2 * t + 8 * i, g], B[2 * t + 8 * i + 1, g] = _unpair(val(lane, r))
+                for i, r in enumerate(c):
+                    C[g + 8 * (i // 2), 2 * t + i % 2] = val(lane, r)
+            D = A @ B + C
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                for i, r in enumerate(d):
+                    regs[lane][r] = D[g + 8 * (i // 2), 2 * t + i % 2].item()
+            continue
+        args = rest.split(", ")
+        for lane in range(32):
+            v = [val(lane, x) for x in args[1:]]
+            if op in ("mov.b32", "mov.f32"):
+                out = v[0]
+            elif op == "shr.u32":
+                out = (v[0] & 0xFFFFFFFF) >> v[1]
+            elif op == "lop3.b32":
+                lut, out = v[3], 0
+                for bit in range(32):
+                    idx = (((v[0] >> bit) & 1) << 2) | (((v[1] >> bit) & 1) << 1) | ((v[2] >> bit) & 1)
+                    out |= ((lut >> idx) & 1) << bit
+            elif op == "fma.rn.bf16x2":
+                (a0, a1), (b0, b1), (c0, c1) = (_unpair(x) for x in v)
+                out = int(_pair(torch.tensor(a0 * b0 + c0), torch.tensor(a1 * b1 + c1)))
+            else:
+                raise AssertionError(f"the emulator does not know {op}")
+            if args[0].startswith("$"):
+                outputs[lane][int(args[0][1:])] = out
+            else:
+                regs[lane][args[0]] = out
+    return outputs
+
+
+@pytest.mark.parametrize("nt", [1, 2])
+def test_stripe_asm_multiplies_codes_minus_zero_by_x(nt):
+    torch.manual_seed(nt)
+    codes = torch.randint(0, 16, (16, 128), dtype=torch.int32)
+    zero = torch.randint(0, 16, (16,), dtype=torch.int32)
+    x = torch.randint(-8, 9, (8 * nt, 128)).float() / 4  # exact in bf16 and in every fp32 sum
+    words = sum((codes[:, i::8] << (4 * i)) for i in range(8))  # (16, 16): nibble i of word c is column 8c + i
+    asm, io = _kernels.w4_dense_asm(nt)
+    assert io.count("=f") == 4 * nt and io.count("r") == 4 * (4 + 4 * nt)
+    nz = _pair(-(128.0 + zero).float(), -(128.0 + zero).float())  # -(128 + zero) in both halves
+    operands = []
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        ops = [0.0] * (4 * nt)
+        ops += [int(words[g, 4 * t + w]) for w in range(4)] + [int(words[g + 8, 4 * t + w]) for w in range(4)]
+        for tile in range(nt):  # B of word w, slot j: x[c + j] low, x[c + j + 4] high, c = 8 (4t + w)
+            for w in range(4):
+                c = 8 * (4 * t + w)
+                ops += [int(_pair(x[8 * tile + g, c + j], x[8 * tile + g, c + j + 4])) for j in range(4)]
+        ops += [int(nz[g])] * 4 + [int(nz[g + 8])] * 4
+        operands.append(ops)
+    out = _emulate(asm, operands)
+    want = x @ (codes - zero[:, None]).float().T  # (rows of x, weight rows)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for tile in range(nt):
+            got = out[lane][4 * tile:4 * tile + 4]
+            rows = (8 * tile + 2 * t, 8 * tile + 2 * t + 1)
+            assert got == [want[rows[0], g].item(), want[rows[1], g].item(), want[rows[0], g + 8].item(),
+                           want[rows[1], g + 8].item()]
+
+
+def test_candidates_split_k_into_whole_stripes_that_fit_the_workspace(monkeypatch):
+    monkeypatch.setattr(_word, "_sm_count", lambda index: 132)
+    gpu = torch.device("cuda", 0)
+    for m, n, k in ((1, 8192, 8192), (4, 28672, 8192), (8, 8192, 28672), (16, 8192, 8192), (1, 100, 384)):
+        got = _word.dense_mma_w4_candidates(m, n, k, gpu)
+        assert got and all(c.dense_mma and c.row_blocks & (c.row_blocks - 1) == 0 for c in got)
+        for c in got:
+            stripes = c.block_w // 16  # a program's
+            assert stripes & (stripes - 1) == 0 and stripes % c.k_warps == 0 and c.warps % c.k_warps == 0
+            assert c.block_n == 16 * c.warps // c.k_warps and c.prefetch in (0, 1)
+            assert c.split_k == -(-(k // 128) // stripes)
+            assert c.split_k == 1 or m * c.split_k * n <= _word.STATIONARY_WORKSPACE
+        assert {c.k_warps for c in got} >= {1, 2} or k < 512
+    # 9-16 rows hold twice the B registers: shallower slices a warp
+    assert max(c.block_w // c.k_warps for c in _word.dense_mma_w4_candidates(16, 8192, 8192, gpu)) <= 64
+    assert max(c.block_w // c.k_warps for c in _word.dense_mma_w4_candidates(8, 8192, 8192, gpu)) == 128
+    # a wave of programs where the shape allows one
+    assert all(c.split_k * -(-8192 // (c.block_n * c.row_blocks)) >= 132
+               for c in _word.dense_mma_w4_candidates(1, 8192, 8192, gpu))
+
+
+def test_fits_bf16_x_of_1_to_16_rows_groups_of_128_columns_and_aligned_words(monkeypatch):
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    words = torch.zeros(64, 32, dtype=torch.int32)
+    s = torch.ones(64, 2, dtype=torch.bfloat16)
+    z = torch.zeros(64, 2, dtype=torch.uint8)
+    assert not _dense_mma.dense_mma_w4_fits(x, words, s, z, group=128)  # the CPU: no GPU to run it
+    monkeypatch.setattr(_dense_mma, "dense_mma_possible", lambda device: True)
+    assert _dense_mma.dense_mma_w4_fits(x, words, s, z, group=128)
+    assert _dense_mma.dense_mma_w4_fits(x[:1], words, s, None, group=128)
+    assert _dense_mma.dense_mma_w4_fits(torch.zeros(16, 256, dtype=torch.bfloat16), words, s[:, :1], z[:, :1],
+                                        group=256)
+    assert not _dense_mma.dense_mma_w4_fits(torch.zeros(17, 256, dtype=torch.bfloat16), words, s, z, group=128)
+    assert not _dense_mma.dense_mma_w4_fits(x.half(), words, s, z, group=128)
+    assert not _dense_mma.dense_mma_w4_fits(x, words, torch.ones(64, 4), z, group=64)  # a stripe is one group
+    assert not _dense_mma.dense_mma_w4_fits(torch.zeros(4, 192, dtype=torch.bfloat16), words[:, :24], s, z,
+                                            group=128)  # K not whole stripes
+    assert not _dense_mma.dense_mma_w4_fits(x, torch.zeros(64, 33, dtype=torch.int32)[:, 1:], s, z, group=128)
+    assert not _dense_mma.dense_mma_w4_fits(x, words, s, z.to(torch.int32), group=128)
+
+
+def test_policy_keeps_int4_on_gemv_up_to_8_rows_only_where_it_runs():
+    policy = KernelPolicy()
+    for m in (2, 4, 8):
+        assert policy.path("w4a16", m, dense_mma=True) == "gemv"
+        assert policy.path("w4a16", m, dense_mma=False) == "wdot"
+        assert policy.path("w8a16", m, dense_mma=True) == "wdot"  # INT4 only
+        assert policy.path("w4a16", m, words=False, dense_mma=True) == "splitk"
+    assert policy.path("w4a16", 9, dense_mma=True) == "wdot"  # 9-16 rows: wdot was faster (kernels run 163)
+    assert KernelPolicy(dense_gemv_max_m=1).path("w4a16", 4, dense_mma=True) == "wdot"
+
+
+@pytest.fixture
+def offered(monkeypatch) -> list:
+    """The candidate lists that ``_word.run_gemv`` hands its tuner, on a stand-in H100 where the kernel runs."""
+    return record_offers(monkeypatch, _dense_mma, "dense_mma_possible")
+
+
+def test_gemv_tunes_it_beside_the_others_at_one_row_and_alone_at_more(offered):
+    words = torch.zeros(64, 32, dtype=torch.int32)
+    s = torch.ones(64, 2, dtype=torch.bfloat16)
+    for m in (1, 4):
+        with pytest.raises(Picked):
+            _word.run_gemv(torch.zeros(m, 256, dtype=torch.bfloat16), words, s, None, None, fmt=_word.FMT_W4,
+                           group=128, n=64, k=256)
+    one, four = offered
+    assert {c.dense_mma for c in one} == {True, False}  # at one row the TMA kernel won on 28672x8192 (run 161)
+    assert four == _word.dense_mma_w4_candidates(4, 64, 256, torch.device("cpu"))
+    with pytest.raises(Picked):  # groups of 64 columns: the other kernels alone
+        _word.run_gemv(torch.zeros(4, 256, dtype=torch.bfloat16), words, torch.ones(64, 4), None, None,
+                       fmt=_word.FMT_W4, group=64, n=64, k=256)
+    assert not any(c.dense_mma for c in offered[-1])
+
+
+def test_bad_arguments_are_refused_before_launch():
+    x = torch.zeros(2, 256, dtype=torch.bfloat16)
+    words = torch.zeros(64, 32, dtype=torch.int32)
+    s = torch.ones(64, 2, dtype=torch.bfloat16)
+    run = _dense_mma.run_dense_mma_w4
+    with pytest.raises(ValueError, match="powers of two"):
+        run(x, words, s, None, n=64, group=128, stripes_per_slice=3, row_blocks=1, warps=4, workspace=None)
+    with pytest.raises(ValueError, match="k_warps"):
+        run(x, words, s, None, n=64, group=128, stripes_per_slice=2, row_blocks=1, warps=4, k_warps=4,
+            workspace=None)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        run(x, words, torch.ones(64, 4), None, n=64, group=64, stripes_per_slice=2, row_blocks=1, warps=4,
+            workspace=None)
+    with pytest.raises(ValueError, match="workspace"):
+        run(x, words, s, None, n=64, group=128, stripes_per_slice=1, row_blocks=1, warps=4, workspace=None)
+
+
+@pytest.mark.parametrize("q,wk,nt,depth,warps,zeros,group,even", [(4, 1, 1, 1, 4, True, 128, True),
+                                                                  (2, 2, 2, 0, 4, False, 256, False)])
+def test_compiles_for_hopper_to_eight_mmas_a_stripe_and_one_load_a_stripe_and_row(tmp_path, q, wk, nt, depth, warps,
+                                                                                  zeros, group, even):
+    const = dict(Q=q, WK=wk, NT=nt, DEPTH=depth, num_warps=warps, HAS_ZEROS=zeros, GROUP=group, EVEN_K=even,
+                 PARTIAL=True, FIX_K=4, ROW_BLOCKS=4)
+    got = compile_gemv_kernel(tmp_path, "dense_mma_w4_kernel", const)
+    ops = [op for op, _ in got["ops"]]
+    assert ops.count("HMMA.16816.F32.BF16") == 8 * q * nt  # one row block per loop iteration
+    assert sum(op.startswith(("HADD2.BF16", "HFMA2.BF16")) for op in ops) == 32 * q  # code - zero, a pair each
+    assert ops.count("LDG.E.128") == 2 * q * (depth + 1)  # a lane's 16 bytes a stripe of rows g and g + 8
+    assert got["stack"] == 0 and got["local"] == 0 and got["regs"] <= 255
+    assert not any(op.startswith(("LDL", "STL")) for op in ops)
