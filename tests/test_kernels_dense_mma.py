@@ -232,3 +232,21 @@ def test_compiles_for_hopper_to_eight_mmas_a_stripe_and_one_load_a_stripe_and_ro
     assert ops.count("LDG.E.128") == 2 * q * (depth + 1)  # a lane's 16 bytes a stripe of rows g and g + 8
     assert got["stack"] == 0 and got["local"] == 0 and got["regs"] <= 255
     assert not any(op.startswith(("LDL", "STL")) for op in ops)
+
+
+def test_w4a16_layers_of_2_to_8_rows_reach_the_gemv_path_where_it_runs(monkeypatch):
+    """``_gemm.launch`` asks the policy with ``dense_mma`` set from :func:`dense_mma_w4_fits`: 2-8 bf16 rows of g128
+    INT4 go to ``gemv``; fp16 rows, groups of 64 and 9 rows go to ``wdot``."""
+    from zspeed.compress import quantize_int4
+    from zspeed.kernels import w4a16_matmul
+
+    monkeypatch.setattr(_dense_mma, "dense_mma_possible", lambda device: True)
+    ran = []
+    monkeypatch.setattr(_word, "run_gemv", lambda *a, **kw: ran.append("gemv") or a[0].new_zeros(a[0].shape[0], 64))
+    monkeypatch.setattr(_word, "run_wdot", lambda *a, **kw: ran.append("wdot") or a[0].new_zeros(a[0].shape[0], 64))
+    w = torch.randn(64, 256)
+    for m, dtype, group in ((2, torch.bfloat16, 128), (8, torch.bfloat16, 128), (4, torch.float16, 128),
+                            (4, torch.bfloat16, 64), (9, torch.bfloat16, 128)):
+        q = quantize_int4(w, group_size=group)
+        w4a16_matmul(torch.zeros(m, 256, dtype=dtype), q.qweight, q.scales, q.zeros, group)
+    assert ran == ["gemv", "gemv", "wdot", "wdot", "wdot"]
