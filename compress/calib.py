@@ -1,8 +1,10 @@
 """Calibration statistics gathered from a Linear's inputs by a forward hook.
 
 Only running statistics are kept, never the activations: ``HessianStat``
-(``2 X^T X / n``, ``(K, K)``) for GPTQ and ``ColumnNormStat`` (``||X_j||²`` per input
-channel, ``(K,)``) for Wanda. Memory per layer is bounded by ``K²`` floats.
+(``2 X^T X / n``, ``(K, K)``) for GPTQ, ``CrossHessianStat`` (that and ``2 X^T X_fp / n``)
+for GPTQ with ``fp_targets``, and ``ColumnNormStat`` (``||X_j||²`` per input channel,
+``(K,)``) for Wanda. Memory per layer is bounded by ``2 K²`` floats (and one batch of
+full-precision inputs queued by ``CrossHessianStat``).
 """
 from __future__ import annotations
 
@@ -30,6 +32,30 @@ class HessianStat:
         x = x * (2.0 / new) ** 0.5
         self.h += x.t() @ x
         self.rows = new
+
+
+class CrossHessianStat(HessianStat):
+    """``HessianStat`` of the inputs ``x`` plus ``cross = 2/n * sum x x_fp^T``, with ``x_fp`` the same
+    Linear's input in the full-precision model on the same tokens (``GPTQConfig.fp_targets``).
+
+    A hook on the full-precision copy of the Linear queues ``x_fp`` in ``pending`` before the quantized
+    model's forward reaches ``add(x)``, which pairs ``x`` with the oldest queued input (``x`` itself when
+    none is queued: no full-precision copy)."""
+
+    def __init__(self, in_features: int, device: torch.device) -> None:
+        super().__init__(in_features, device)
+        self.cross = torch.zeros(in_features, in_features, device=device)
+        self.pending: list[torch.Tensor] = []
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()  # (tokens, K)
+        x_fp = self.pending.pop(0).reshape(-1, x.shape[-1]).float() if self.pending else x
+        if x_fp.shape != x.shape:
+            raise ValueError(f"full-precision input {tuple(x_fp.shape)} does not pair with {tuple(x.shape)}")
+        new = self.rows + x.shape[0]
+        self.cross *= self.rows / new
+        self.cross += (2.0 / new) * x.t() @ x_fp
+        super().add(x)
 
 
 class ColumnNormStat:

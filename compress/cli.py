@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--method", default="rtn", help=f"one of {sorted(QUANT_METHODS)}")
     q.add_argument("--act-order", action="store_true", help="gptq: sweep columns by decreasing Hessian diagonal")
     q.add_argument("--damp", type=float, default=0.01, help="gptq: diagonal damping fraction (default 0.01)")
+    q.add_argument("--true-sequential", action="store_true",
+                   help="gptq: calibrate each Linear on its block's already-quantized earlier Linears")
+    q.add_argument("--fp-targets", action="store_true",
+                   help="gptq: fit each Linear to the full-precision model's outputs (twice the block runs)")
     q.add_argument("--blocksize", type=int, default=64, help="nf4: weights per absmax block (default 64)")
     q.add_argument("--compute-dtype", default=None, help="nf4: matmul dtype (default: the input's)")
     _common(q)
@@ -92,7 +96,8 @@ def _config(args: argparse.Namespace):
         if cls is NF4Config:
             return _nf4_config(args, exclude)
         group = {} if args.bits == 8 else {"group_size": args.group_size, "symmetric": args.symmetric}
-        gptq = {"act_order": args.act_order, "damp": args.damp} if cls is GPTQConfig else {}
+        gptq = {"act_order": args.act_order, "damp": args.damp, "true_sequential": args.true_sequential,
+                "fp_targets": args.fp_targets} if cls is GPTQConfig else {}
         return cls(bits=args.bits, pad_groups=args.pad_groups, scale_dtype=args.scale_dtype, **group, **gptq,
                    **exclude)
     cls = _pick(SPARSE_METHODS, args.method, "sparsify")

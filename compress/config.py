@@ -123,7 +123,13 @@ class GPTQConfig(_QuantBase):
     ``block_size``: columns updated together (lazy batch); a multiple of the
     group size. ``act_order``: sweep columns by decreasing Hessian diagonal (with
     static groups). ``static_groups``: fit every group's scale before the sweep
-    instead of when it is reached. Needs calibration batches
+    instead of when it is reached. ``true_sequential``: within each block,
+    calibrate each Linear on the outputs of the block's already-quantized earlier
+    Linears (compress/transform.py, [Note: true sequential]); a Llama block is
+    run about 2.7 times instead of 2. ``fp_targets``: fit each Linear to the
+    full-precision model's outputs on the same tokens, not to its own weights
+    applied to its (already degraded) inputs (compress/gptq.py, [Note:
+    full-precision targets]); doubles the block runs. Needs calibration batches
     (``quantize_model(..., calib=...)``).
     """
 
@@ -131,10 +137,15 @@ class GPTQConfig(_QuantBase):
     block_size: int = 128
     act_order: bool = False
     static_groups: bool = False
+    true_sequential: bool = False
+    fp_targets: bool = False
     method: ClassVar[str] = "gptq"
 
     def __post_init__(self) -> None:
         _QuantBase.__post_init__(self)
+        for name in ("true_sequential", "fp_targets"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(type(self), name, getattr(self, name), "use True or False")
         if not 0.0 < self.damp < 1.0:
             _fail(type(self), "damp", self.damp, "use a fraction in (0, 1), typically 0.01")
         if self.block_size <= 0 or (self.bits == 4 and self.block_size % self.group_size):

@@ -98,19 +98,23 @@ def _sweep(w: torch.Tensor, u: torch.Tensor, grid: _Grid, perm: torch.Tensor, co
     return codes
 
 
-def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Int4Weight | Int8Weight:
+def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig, *,
+                  cross: torch.Tensor | None = None) -> Int4Weight | Int8Weight:
     """Quantize ``weight`` ``(N, K)`` given the Hessian ``(K, K)`` of its inputs.
 
     With ``config.act_order`` columns are swept in order of decreasing Hessian
     diagonal (inputs with the most energy first), with static groups so the stored
-    format is unchanged.
+    format is unchanged. ``cross`` ``(K, K)``: ``2/n * sum x x_fp^T`` (``GPTQConfig.fp_targets``);
+    the sweep then approximates :func:`fp_target` instead of ``weight``.
     """
     n, k = weight.shape
-    if hessian.shape != (k, k):
+    if hessian.shape != (k, k) or (cross is not None and cross.shape != (k, k)):
         raise ValueError(f"GPTQ: Hessian shape {tuple(hessian.shape)} does not match in_features={k}")
     if config.bits == 4:
         check_group_size(k, config.group_size, pad_groups=config.pad_groups)
     w = weight.detach().float().clone()
+    if cross is not None:
+        w = fp_target(w, hessian.float(), cross.float(), config.damp)
     h = hessian.float().clone()
     dead = h.diagonal() == 0  # inputs that were always zero: their columns do not matter
     h[dead, dead] = 1.0
@@ -121,3 +125,21 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfi
     codes = torch.empty_like(w, dtype=torch.int32)
     codes[:, perm] = _sweep(w[:, perm], u, grid, perm, config)
     return grid.pack(codes)
+
+
+def fp_target(w: torch.Tensor, h: torch.Tensor, cross: torch.Tensor, damp: float) -> torch.Tensor:
+    """The weight that best maps this layer's inputs ``x`` to the full-precision outputs ``w x_fp``.
+
+    [Note: full-precision targets] Earlier layers are already quantized, so the inputs ``x`` differ from
+    the full-precision model's ``x_fp``. With ``H = 2/n sum x x^T`` and ``cross = 2/n sum x x_fp^T``,
+    ``sum ||w x_fp - q x||^2`` equals ``tr((w* - q) H (w* - q)^T)`` plus a constant, where
+    ``w* = w cross^T H^-1``; so GPTQ on ``w*`` with ``H`` minimizes the error against the full-precision
+    outputs (GPTAQ's asymmetric calibration, Li et al. 2025). Regularized toward ``w``:
+    ``w* = w (cross^T + l I)(H + l I)^-1`` with ``l = damp * mean(diag H)``, so ``x = x_fp`` gives ``w``.
+    """
+    k = h.shape[0]
+    eye = torch.eye(k, dtype=torch.float64, device=h.device)
+    lam = damp * h.diagonal().mean().double()
+    lower = torch.linalg.cholesky(h.double() + lam * eye)
+    rhs = (cross.double() + lam * eye) @ w.double().t()  # (K, N) = (w (cross^T + l I))^T
+    return torch.cholesky_solve(rhs, lower).t().float()  # (N, K)

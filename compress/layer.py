@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .calib import ColumnNormStat, HessianStat
+from .calib import ColumnNormStat, CrossHessianStat, HessianStat
 from .config import GPTQConfig, MagnitudeConfig, NF4Config, RTNConfig, WandaConfig, with_scale_dtype
 from .formats import check_group_size, quantize_int4, quantize_int8
 from .gptq import gptq_quantize
@@ -17,6 +17,8 @@ from .uniform import SCALE_DTYPES
 
 def stat_type(config) -> type | None:
     """The calibration statistic a method needs (``None``: data-free)."""
+    if isinstance(config, GPTQConfig) and config.fp_targets:
+        return CrossHessianStat
     return {GPTQConfig: HessianStat, WandaConfig: ColumnNormStat}.get(type(config))
 
 
@@ -42,7 +44,8 @@ def quantize_linear(linear: nn.Linear, config: RTNConfig | GPTQConfig, stat: Hes
     if isinstance(config, GPTQConfig):
         if stat is None:
             raise ValueError("GPTQ needs calibration data: pass calib=... to quantize_model")
-        q = gptq_quantize(w, stat.h, config)
+        cross = stat.cross if isinstance(stat, CrossHessianStat) else None
+        q = gptq_quantize(w, stat.h, config, cross=cross)
     elif config.bits == 8:
         q = quantize_int8(w, scale_dtype=sdt)
     else:

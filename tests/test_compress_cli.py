@@ -27,7 +27,7 @@ def test_quantize_inspect_eval(tmp_path, text_file, capsys):
     out = tmp_path / "q"
     code, stdout, _ = _run(capsys, "quantize", "--model", "tiny", "--bits", 4, "--group-size", 32, "--method",
                            "gptq", "--calib", text_file, "--calib-samples", 4, "--calib-seq-len", 64, "--out", out,
-                           "--no-progress")
+                           "--act-order", "--true-sequential", "--fp-targets", "--no-progress")
     assert code == 0 and "14 modules compressed" in stdout
     code, table, _ = _run(capsys, "inspect", out)
     assert code == 0
