@@ -1,9 +1,10 @@
 """The GEMV kernels of the ``gemv`` path side by side at a few rows: tile, x-stationary, x-stationary + TMA, and for
 2:4 (plain and + INT4) the kernels on sparse tensor cores (mma: the GEMV up to 8 rows, the GEMM above), for INT4
-the GEMV on tensor cores (dense, up to 8 rows).
+the GEMV on tensor cores (dense, up to 8 rows; ``dense_xs`` its configs that keep ``x`` in shared memory, [Note: x in
+shared memory] in kernels/_dense_mma_kernels.py, ``dense`` the others).
 
     python benchmarks/gemv_check.py [--ms 1 4] [--shapes 8192x8192 8192x28672 28672x8192] [--formats w4 w8 s24]
-                                    [--kinds tile stationary tma mma dense] [--json F]
+                                    [--kinds tile stationary tma mma dense dense_xs] [--json F]
 
 For each shape (K x N), format (INT4 g128 with zero points, INT8, plain 2:4 by magnitude) and row count:
 checks each kernel against the reference, tunes each over its own candidates ([Note: kernel tuning] in
@@ -38,7 +39,7 @@ def main() -> None:
     p.add_argument("--shapes", type=_shape, nargs="*", default=[(8192, 8192), (8192, 28672), (28672, 8192)])
     p.add_argument("--formats", nargs="*", default=["w4", "w8"], choices=["w4", "w8", "s24", "s24w4"])
     p.add_argument("--kinds", nargs="*", default=["tile", "stationary", "tma"],
-                   choices=["tile", "stationary", "tma", "mma", "dense"])
+                   choices=["tile", "stationary", "tma", "mma", "dense", "dense_xs"])
     p.add_argument("--json")
     args = p.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
@@ -78,6 +79,8 @@ def main() -> None:
                 mma_w4 = f == _word.FMT_S24W4 and _sparse_mma.sparse_mma_w4_fits(x, words, meta, s, z, group=group)
                 gemm = m > _sparse_mma.MAX_M and f in (_word.FMT_S24, _word.FMT_S24W4) and _sparse_mma.sparse_gemm_fits(
                     x, words, sp.meta if f == _word.FMT_S24 else meta, w4=f == _word.FMT_S24W4, s=s, z=z, group=group)
+                dense = _word.dense_mma_w4_candidates(m, n, k, x.device) if f == _word.FMT_W4 \
+                    and _dense_mma.dense_mma_w4_fits(x, words, s, z, group=group) else []
                 kinds = {"tile": _word.gemv_candidates(f, m, n, words.shape[1], group, x.device),
                          "stationary": [c for c in stationary if not c.tma],
                          "tma": [c for c in stationary if c.tma],  # [Note: TMA weight stream]
@@ -86,8 +89,7 @@ def main() -> None:
                          else _word.sparse_gemm_candidates(m, n, k, x.device, _sparse_mma.w4_stripe(group)
                                                            if f == _word.FMT_S24W4 else 1) if gemm
                          else [],
-                         "dense": _word.dense_mma_w4_candidates(m, n, k, x.device) if f == _word.FMT_W4
-                         and _dense_mma.dense_mma_w4_fits(x, words, s, z, group=group) else []}
+                         "dense": [c for c in dense if not c.x_shared], "dense_xs": [c for c in dense if c.x_shared]}
                 for kind, cands in kinds.items():
                     if not cands or kind not in args.kinds:
                         continue
@@ -105,10 +107,10 @@ def main() -> None:
                         _word._BEST[key] = c
                         return _word.run_gemv(x, words, s, z, meta, fmt=f, group=group, n=n, k=k)
                     def checked(c):
-                        if kind in ("mma", "dense"):  # the output lands on NaN: unwritten elements fail
+                        if kind in ("mma", "dense", "dense_xs"):  # the output lands on NaN: unwritten elements fail
                             torch.full((m, n), float("nan"), device="cuda", dtype=x.dtype)
                         return ((launch(c).float() - ref).abs().max() / ref.abs().max()).item()
-                    err = max(checked(c) for c in (cands if kind in ("mma", "dense") else cands[:2]))
+                    err = max(checked(c) for c in (cands if kind in ("mma", "dense", "dense_xs") else cands[:2]))
                     start = time.perf_counter()
                     timed = _word.time_candidates(cands, launch)
                     best = cands[timed[0][1]]

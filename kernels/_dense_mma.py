@@ -53,11 +53,13 @@ def dense_mma_w4_fits(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: 
 
 def run_dense_mma_w4(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, *, n: int,
                      group: int, stripes_per_slice: int, row_blocks: int, warps: int, k_warps: int = 1,
-                     depth: int = 0, workspace: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                     depth: int = 0, x_shared: bool = False,
+                     workspace: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """INT4 ``x @ dequant(words)^T`` in bf16 (:func:`dense_mma_w4_fits`): ``stripes_per_slice`` stripes of 128
     columns of ``K`` per program (a power of two), ``k_warps`` of the ``warps`` splitting them ([Note: warps along K]
     in ``_dense_mma_kernels``), ``row_blocks`` blocks of ``16 * warps / k_warps`` weight rows per program (a power of
-    two), ``depth`` (0 or 1) of them loaded ahead; 9 to 16 rows run two blocks of 8 through each weight
+    two), ``depth`` (0 or 1) of them loaded ahead, ``x_shared``: ``x`` in shared memory, read for each block ([Note: x
+    in shared memory]); 9 to 16 rows run two blocks of 8 through each weight
     fragment. More than one slice needs ``workspace`` ``(partials,
     counters)`` ([Note: split-K fix-up] in ``_word``)."""
     q, rb = stripes_per_slice, row_blocks
@@ -92,5 +94,5 @@ def run_dense_mma_w4(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: t
         x.stride(0), words.stride(0), s.stride(0), zz.stride(0), out.stride(0),
         GROUP=group, HAS_ZEROS=z is not None, Q=q // k_warps, WK=k_warps, NT=nt, ROW_BLOCKS=rb, DEPTH=depth,
         EVEN_K=stripes % q == 0,
-        PARTIAL=split > 1, FIX_K=max(1, min(16, 4096 // run)), ASM=asm, ASM_IO=io, num_warps=warps)
+        PARTIAL=split > 1, FIX_K=max(1, min(16, 4096 // run)), ASM=asm, ASM_IO=io, XS=x_shared, num_warps=warps)
     return out

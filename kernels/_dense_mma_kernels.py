@@ -39,15 +39,30 @@ the program's warps may split ``K`` instead of the rows: with ``WK`` warps along
 a warp's slice for ``16 * num_warps / WK`` rows, and the warps' sums meet in shared memory (Triton's reduction across
 warps) before one partial a program is stored.
 
+[Note: x in shared memory] Held in registers, a warp's slice of ``x`` costs 16 ``B`` registers a stripe and block of
+8 rows of ``x``: at 4 stripes and one block ahead, 64 of the 222 registers (two programs of 4 warps an SM), where the
+words in flight take 64 too. Nsight Compute (kernels run 166, 8192x8192, one row) saw such a warp issue once every 5.5
+cycles, half of it waiting on its loads, with two warps a scheduler: latency-bound, with too few bytes in flight. With
+``XS`` the program stores its slice of ``x`` in shared memory once (a lane's 4 registers of a stripe in 16 contiguous
+bytes, lanes side by side: one conflict-free 16-byte load) and every block reads it again, 4 ``LDS.128`` a stripe and
+block of 8 rows beside its 8 MMAs and ~140 other instructions. The registers go to the words: the same config takes 162
+registers (three programs an SM), and 8 stripes a warp with one block ahead fit without spilling. The loads must stay
+in the loop: at a constant address ptxas hoists them out of it (held in registers again, as it did in a 2:4 try), so
+the buffer index is ``rows >= N + run``, always 0 and not foldable. The first block's loads are issued before the store
+and its barrier. The tuner times both ways: on an H100 (runs 167 and 169) shared memory won at one and four rows on
+8192x28672 and 28672x8192 (one row 2.83 / 2.65x to 3.02 / 2.97x in run 167, 2.94 / 2.94x in the peers' benchmark)
+and at 16 rows (1.32-1.61x to 1.52-1.76x, still behind ``wdot``), registers on 8192x8192 and on the smaller shapes of a
+decode step (4096x4096: 2.57x against 1.93x), where the slice's store, barrier and extra loads weigh on a short run.
+
 A warp's loop costs about 140 instructions a stripe for 1 KB of words (16 rows x 128 columns; sm_90 SASS, 4 stripes
 with one block ahead: 556), a seventh of an instruction a byte whatever the rows of ``x`` up to 8, where the
 x-stationary kernel's two instructions a code and row grow with the rows.
 
-Measured on an H100 (benchmarks/RESULTS.md, kernels runs 160-164, bf16 in the same process): 2.62-2.82x of bf16 at
-one row (the x-stationary TMA kernel: 2.49-2.80x; the tuner times both), 2.36-2.59x at four rows (``wdot``:
-1.94-2.25x) and 2.11-2.41x at eight. On an H200 (run 165) 2.22-2.39x at one row, behind the TMA kernel's 2.45-2.60x,
+Measured on an H100 (benchmarks/RESULTS.md, kernels runs 160-169, bf16 in the same process): 2.65-2.94x of bf16 at
+one row (the x-stationary TMA kernel: 2.49-2.80x; the tuner times both), 2.33-2.81x at four rows (``wdot``:
+1.94-2.25x) and 2.13-2.55x at eight. On an H200 (run 165) 2.22-2.39x at one row, behind the TMA kernel's 2.45-2.60x,
 and 1.86-2.10x at four. Two blocks of 8 rows of ``x`` a fragment (9 to 16 rows, ``NT`` 2) run but lose to ``wdot``
-(1.30-1.61x at 16 rows against 1.90-2.22x), so the policy keeps them on ``wdot``.
+(1.52-1.76x at 16 rows with ``x`` in shared memory, run 167, against 1.90-2.22x), so the policy keeps them on ``wdot``.
 """
 from __future__ import annotations
 
@@ -56,7 +71,7 @@ import functools
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ._sparse_mma_kernels import _along3, _along4, _store_sums, finish_run, group_params
+from ._sparse_mma_kernels import _cta_barrier, _along3, _along4, _store_sums, finish_run, group_params
 
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
@@ -115,7 +130,8 @@ def dense_mma_w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_ptr
                         stride_xm, stride_wn, stride_sn, stride_zn, stride_om, GROUP: gl.constexpr,
                         HAS_ZEROS: gl.constexpr, Q: gl.constexpr, WK: gl.constexpr, NT: gl.constexpr,
                         ROW_BLOCKS: gl.constexpr, DEPTH: gl.constexpr, EVEN_K: gl.constexpr, PARTIAL: gl.constexpr,
-                        FIX_K: gl.constexpr, ASM: gl.constexpr, ASM_IO: gl.constexpr, num_warps: gl.constexpr):
+                        FIX_K: gl.constexpr, XS: gl.constexpr, ASM: gl.constexpr, ASM_IO: gl.constexpr,
+                        num_warps: gl.constexpr):
     """INT4 ``out[M, N] = x @ dequant(words)^T`` for ``M <= 8 * NT`` ([Note: INT4 GEMV on tensor cores]).
 
     ``x_ptr``: ``x`` (M, K) bf16 read as int16; ``w_ptr``: the words (N, K / 8) int32, column ``8c + i`` in nibble
@@ -124,8 +140,8 @@ def dense_mma_w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_ptr
     Q`` stripes of ``K`` (powers of two), ``Q`` a warp, its warps ``WK`` along ``K`` by ``num_warps / WK`` along the
     rows ([Note: warps along K]), and a run of ``ROW_BLOCKS`` blocks of ``16 * num_warps / WK`` weight rows; ``DEPTH``
     1 loads the next block while this one multiplies (0: each where it is used); ``EVEN_K``: ``WK * Q`` divides
-    ``STRIPES``; ``NT`` (1 or 2) blocks of 8 rows of ``x`` go through each weight fragment; ``ASM`` / ``ASM_IO``:
-    ``w4_dense_asm(NT)``."""
+    ``STRIPES``; ``NT`` (1 or 2) blocks of 8 rows of ``x`` go through each weight fragment; ``XS``: ``x`` in shared
+    memory, read for each block ([Note: x in shared memory]); ``ASM`` / ``ASM_IO``: ``w4_dense_asm(NT)``."""
     WR: gl.constexpr = num_warps // WK  # warps along the rows
     QW: gl.constexpr = Q * WK  # stripes a program
     L4: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, Q, 4], threads_per_warp=[1, 32, 1, 1],
@@ -178,6 +194,17 @@ def dense_mma_w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_ptr
     if DEPTH == 1:
         nxt = _w4_rows(w_ptr, s_ptr, z_ptr, row0, a_row, a_col, s_row, g_col, N, stride_wn, stride_sn, stride_zn,
                        HAS_ZEROS)
+    if XS:  # x in shared memory ([Note: x in shared memory]), stored after the first block's loads are issued
+        xs0 = _to_shared(b0, QW)
+        xs1 = _to_shared(b1, QW)
+        xs2 = _to_shared(b2, QW)
+        xs3 = _to_shared(b3, QW)
+        if NT == 2:
+            xs4 = _to_shared(b4, QW)
+            xs5 = _to_shared(b5, QW)
+            xs6 = _to_shared(b6, QW)
+            xs7 = _to_shared(b7, QW)
+        _cta_barrier()
     for blk in range(ROW_BLOCKS):
         rows = row0 + blk * ROWS
         if DEPTH == 1:  # this block's operands were loaded during the last one; the next block's go in flight now
@@ -192,6 +219,17 @@ def dense_mma_w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_ptr
         nzh = gl.broadcast(gl.expand_dims((zh | 0xC300) * 0x10001, 3), cg)[0]
         scale = gl.where(j < 2, gl.expand_dims(sg, 3), gl.expand_dims(sh, 3))
         row = rows + o_row
+        if XS:  # buffer 0, by a test ptxas cannot fold (rows < N + the run): at a constant address it would hoist
+            xi = (rows >= N + ROWS * ROW_BLOCKS).to(gl.int32)  # the loads out of the loop, into registers again
+            b0 = xs0.index(xi).load(L4)
+            b1 = xs1.index(xi).load(L4)
+            b2 = xs2.index(xi).load(L4)
+            b3 = xs3.index(xi).load(L4)
+            if NT == 2:
+                b4 = xs4.index(xi).load(L4)
+                b5 = xs5.index(xi).load(L4)
+                b6 = xs6.index(xi).load(L4)
+                b7 = xs7.index(xi).load(L4)
         if NT == 1:
             d = gl.inline_asm_elementwise(ASM, ASM_IO, [cg, ch, b0, b1, b2, b3, nzg, nzh], dtype=gl.float32,
                                           is_pure=True, pack=4)
@@ -207,6 +245,16 @@ def dense_mma_w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_ptr
     if PARTIAL:
         finish_run(part_ptr, count_ptr, out_ptr, pid_r, row0, 0, M, N, SPLIT, stride_om, ROWS * ROW_BLOCKS, FIX_K,
                    num_warps)
+
+
+@gluon.jit
+def _to_shared(b, QW: gl.constexpr):
+    """One ``B`` tensor of the slice (``(1, 32, QW, 4)``) in shared memory, a lane's 4 registers of a stripe in 16
+    contiguous bytes and the lanes next to each other (16-byte loads without bank conflicts); one buffer."""
+    XL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[3, 1, 2, 0])
+    xs = gl.allocate_shared_memory(gl.int32, [1, 1, 32, QW, 4], XL)
+    xs.index(0).store(b)
+    return xs
 
 
 @gluon.jit

@@ -124,6 +124,8 @@ class WordConfig:
     # per slice of K (of a program), the rest as sparse_mma
     k_warps: int = 1  # dense_mma: warps along K, the others along the rows ([Note: warps along K] in
     # _dense_mma_kernels)
+    x_shared: bool = False  # dense_mma: x in shared memory, read again for each block of rows ([Note: x in shared
+    # memory] in _dense_mma_kernels)
 
 
 @functools.cache
@@ -637,7 +639,8 @@ def _stationary_workspace(device: torch.device) -> tuple[torch.Tensor, torch.Ten
 
 SPARSE_MMA_TILES = ((16, 4, 0), (8, 4, 0), (8, 4, 1), (16, 8, 0), (8, 8, 0))  # (32-column tiles per slice, warps,
 # blocks loaded ahead) of the 2:4 mma.sp GEMV; on an H100 (kernels runs 71 and 73) 16 tiles, 4 warps and nothing
-# loaded ahead won at every shape and 1-8 rows: blocks loaded ahead cost registers that deeper slices use better
+# loaded ahead won at every shape and 1-8 rows: blocks loaded ahead cost registers that deeper slices use better.
+# With x in shared memory ([Note: x in shared memory] in _dense_mma_kernels) it lost 3-6 % in every cell (run 168)
 SPARSE_MMA_RUNS = (1, 2, 4, 8, 16)  # row blocks per program
 # the 2:4 + INT4 GEMV's (tiles per slice, warps, blocks loaded ahead: 0 or 1): its stripes load a block's weights in
 # few registers, so one block ahead fits beside deep slices ([Note: INT4 stripes] in _sparse_mma_kernels)
@@ -675,14 +678,20 @@ def sparse_mma_w4_candidates(m: int, n: int, k: int, group: int, device: torch.d
             if (c.block_w // 8) % w4_stripe(group) == 0]
 
 
-# the INT4 GEMV on tensor cores' (stripes of 128 columns a warp, warps, warps along K, blocks loaded ahead: 0 or 1),
-# for 1-8 rows of x and for 9-16 (twice the B registers); 8 stripes a warp with one block ahead spill (sm_90 SASS)
-DENSE_MMA_W4_TILES = {1: ((4, 4, 1, 0), (4, 4, 1, 1), (2, 4, 1, 1), (2, 8, 1, 1), (4, 8, 1, 0), (8, 4, 1, 0),
-                          (2, 4, 1, 0), (4, 8, 1, 1), (4, 4, 2, 1), (4, 4, 4, 1), (2, 4, 4, 1), (4, 8, 2, 1),
-                          (4, 8, 4, 1), (2, 8, 4, 1), (4, 4, 4, 0), (8, 4, 4, 0)),
-                      2: ((2, 4, 1, 1), (2, 4, 1, 0), (4, 4, 1, 0), (1, 4, 1, 1), (2, 8, 1, 1), (1, 8, 1, 1),
-                          (4, 8, 1, 0), (2, 4, 2, 1), (2, 4, 4, 1), (2, 8, 4, 1), (2, 8, 8, 1), (4, 4, 4, 0),
-                          (1, 8, 8, 1))}
+# the INT4 GEMV on tensor cores' (stripes of 128 columns a warp, warps, warps along K, blocks loaded ahead: 0 or 1,
+# x in shared memory), for 1-8 rows of x and for 9-16 (twice the B registers); with x in registers 8 stripes a warp
+# and one block ahead spill, with x in shared memory they fit (255 registers; sm_90 SASS)
+DENSE_MMA_W4_TILES = {1: ((4, 4, 1, 0, 0), (4, 4, 1, 1, 0), (2, 4, 1, 1, 0), (2, 8, 1, 1, 0), (4, 8, 1, 0, 0),
+                          (8, 4, 1, 0, 0), (2, 4, 1, 0, 0), (4, 8, 1, 1, 0), (4, 4, 2, 1, 0), (4, 4, 4, 1, 0),
+                          (2, 4, 4, 1, 0), (4, 8, 2, 1, 0), (4, 8, 4, 1, 0), (2, 8, 4, 1, 0), (4, 4, 4, 0, 0),
+                          (8, 4, 4, 0, 0),
+                          (4, 4, 1, 1, 1), (4, 4, 1, 0, 1), (8, 4, 1, 0, 1), (8, 4, 1, 1, 1), (2, 4, 1, 1, 1),
+                          (4, 8, 1, 1, 1), (8, 8, 1, 0, 1), (4, 4, 2, 1, 1), (8, 4, 2, 0, 1), (4, 4, 4, 1, 1)),
+                      2: ((2, 4, 1, 1, 0), (2, 4, 1, 0, 0), (4, 4, 1, 0, 0), (1, 4, 1, 1, 0), (2, 8, 1, 1, 0),
+                          (1, 8, 1, 1, 0), (4, 8, 1, 0, 0), (2, 4, 2, 1, 0), (2, 4, 4, 1, 0), (2, 8, 4, 1, 0),
+                          (2, 8, 8, 1, 0), (4, 4, 4, 0, 0), (1, 8, 8, 1, 0),
+                          (2, 4, 1, 1, 1), (4, 4, 1, 1, 1), (4, 4, 1, 0, 1), (2, 4, 1, 0, 1), (4, 8, 1, 0, 1),
+                          (2, 8, 1, 1, 1), (4, 4, 2, 1, 1), (4, 4, 4, 1, 1), (4, 8, 2, 1, 1))}
 
 
 def dense_mma_w4_candidates(m: int, n: int, k: int, device: torch.device) -> list[WordConfig]:
@@ -693,7 +702,7 @@ def dense_mma_w4_candidates(m: int, n: int, k: int, device: torch.device) -> lis
     stripes = k // 128
     sms = _sm_count(device.index or 0)
     out = []
-    for q, warps, wk, depth in DENSE_MMA_W4_TILES[1 if m <= 8 else 2]:
+    for q, warps, wk, depth, xs in DENSE_MMA_W4_TILES[1 if m <= 8 else 2]:
         q = min(q * wk, 1 << (stripes - 1).bit_length())  # stripes a program
         wk = min(wk, q)
         split = cdiv(stripes, q)
@@ -703,7 +712,7 @@ def dense_mma_w4_candidates(m: int, n: int, k: int, device: torch.device) -> lis
         runs = [rb for rb in SPARSE_MMA_RUNS if split * cdiv(n, rows * rb) >= sms
                 and cdiv(n, rows * rb) <= WORKSPACE_COUNTERS] or [1]
         out += [c for c in (WordConfig(1, rows, 16 * q, split, warps, prefetch=depth, row_blocks=rb,
-                                       dense_mma=True, k_warps=wk) for rb in runs) if c not in out]
+                                       dense_mma=True, k_warps=wk, x_shared=bool(xs)) for rb in runs) if c not in out]
     return out
 
 
@@ -719,7 +728,7 @@ def run_dense_mma(x, words, s, z, c: WordConfig, *, n: int, group: int) -> torch
             return None
     return run_dense_mma_w4(x, words, s, z, n=n, group=group, stripes_per_slice=c.block_w // 16,
                             row_blocks=c.row_blocks, warps=c.warps, k_warps=c.k_warps, depth=c.prefetch,
-                            workspace=ws)
+                            x_shared=c.x_shared, workspace=ws)
 
 
 SPARSE_GEMM_TILES = {2: ((8, 4, 1, 1), (8, 4, 0, 1), (16, 4, 0, 1), (8, 8, 1, 1), (16, 8, 0, 1), (4, 8, 1, 2),
