@@ -37,7 +37,8 @@ at 8 rows and 16 slices (8192x8192) that is 4 MB of 33.5, and the GEMV took 27 u
 160-161). A warp's slice is bounded by the ``B`` registers it holds (16 a stripe and block of 8 rows of ``x``), so
 the program's warps may split ``K`` instead of the rows: with ``WK`` warps along ``K`` a program covers ``WK`` times
 a warp's slice for ``16 * num_warps / WK`` rows, and the warps' sums meet in shared memory (Triton's reduction across
-warps) before one partial a program is stored.
+warps) before one partial a program is stored. (Nsight Compute later showed the partials staying in L2, kernels run
+166: what grows with the rows is the wait between a warp's instructions, [Note: x in shared memory].)
 
 [Note: x in shared memory] Held in registers, a warp's slice of ``x`` costs 16 ``B`` registers a stripe and block of
 8 rows of ``x``: at 4 stripes and one block ahead, 64 of the 222 registers (two programs of 4 warps an SM), where the

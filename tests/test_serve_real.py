@@ -47,6 +47,11 @@ def smollm2(tmp_path_factory):
                          ids=["sdpa", "triton", "triton-whole-step"])
 def test_smollm2_greedy_matches_hf_generate(smollm2, kernel, graphs, monkeypatch):
     folder, prompts, want = smollm2
+    new = NEW
+    if graphs:  # the interpreted kernel over padded steps is the slowest of the three: two prompts (still chunked
+        # prefill), the first 4 tokens of HF's continuations
+        prompts, new = prompts[:2], 4
+        want = [w[:new] for w in want[:2]]
     if kernel == "triton":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     model = load_model(LoadConfig(model=str(folder), device="cpu", dtype="float32", progress=False))
@@ -57,7 +62,7 @@ def test_smollm2_greedy_matches_hf_generate(smollm2, kernel, graphs, monkeypatch
                              eos_token_ids=frozenset())
     with EngineLoop(Scheduler(config, kv_capacity=runner.kv_capacity), runner) as engine:
         handles = [engine.submit(Request(request_id=f"r{i}", prompt_token_ids=p,
-                                         sampling=SamplingParams(max_new_tokens=NEW, ignore_eos=True)))
+                                         sampling=SamplingParams(max_new_tokens=new, ignore_eos=True)))
                    for i, p in enumerate(prompts)]
         got = [list(h.result(timeout=600).token_ids) for h in handles]
     assert runner.attention_kernel == kernel
