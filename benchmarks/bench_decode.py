@@ -51,6 +51,10 @@ def build(layers: int, device: str, tiny: bool):
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = model.to_empty(device=device).to(torch.bfloat16)
+    # to_empty leaves buffers unwritten too: the rotary table (inv_freq) would be whatever the allocator held,
+    # NaN at times. A fresh rotary module computes it (in fp32, as a checkpoint-loaded model keeps it).
+    rotary = model.model.rotary_emb
+    model.model.rotary_emb = type(rotary)(config=cfg).to(device)
     g = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():

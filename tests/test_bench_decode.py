@@ -33,6 +33,20 @@ def test_repeated_runs_decode_the_same_tokens():
     assert int(dec.pos) == prompt.shape[1]
 
 
+def test_built_model_has_a_real_rotary_table():
+    """``build`` allocates on the meta device and then ``to_empty``: parameters are drawn, and the rotary table (a
+    buffer) is computed, not left as whatever memory the allocator handed back (NaN at times, once a flaky test)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    bench = _bench()
+    for _ in range(3):
+        model = bench.build(1, "cpu", tiny=True)
+        want = LlamaRotaryEmbedding(config=model.config).inv_freq
+        got = model.model.rotary_emb.inv_freq
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+        assert all(torch.isfinite(b).all() for b in model.buffers())
+
+
 def test_kernel_kinds():
     bench = _bench()
     assert bench.kernel_kind("stationary_tma_kernel") == "zspeed"
