@@ -1,7 +1,7 @@
 """The 2:4 GEMVs on sparse tensor cores, plain and with INT4 kept values, checked bit for bit on a GPU ([Note: 2:4
 GEMV on sparse tensor cores] in kernels/_sparse_mma_kernels.py).
 
-    python benchmarks/sparse_mma_check.py
+    python benchmarks/sparse_mma_check.py [--stripes]     (--stripes: plain 2:4 in stripes alone)
 
 Small integer weights and activations (exact in bf16, and every sum exact in fp32), odd row counts (rows past ``N``
 masked), ``K`` not a multiple of a slice (tiles past ``K`` masked), 1 to 8 rows of ``x``, one and several slices,
@@ -18,7 +18,8 @@ import torch
 
 from zspeed.compress.nm import compress_nm
 from zspeed.kernels import _word, sparse24_ref, sparse24_w4a16_ref
-from zspeed.kernels._sparse_mma import run_sparse_gemm, run_sparse_gemm_w4, run_sparse_mma, run_sparse_mma_w4
+from zspeed.kernels._sparse_mma import (run_sparse_gemm, run_sparse_gemm_w4, run_sparse_mma, run_sparse_mma_stripe,
+                                        run_sparse_mma_w4)
 
 CASES = ((16, 64, 1, 2), (16, 64, 8, 2), (64, 256, 3, 4), (200, 96, 5, 2), (1000, 512, 1, 4), (1000, 8192, 2, 8),
          (1024, 4096, 1, 16), (2048, 8192, 7, 16))  # (N, K, M, tiles per slice)
@@ -31,6 +32,13 @@ W4_CASES = ((16, 128, 1, 4, 128, True), (64, 512, 8, 4, 128, False), (200, 384, 
             (200, 320, 4, 2, 64, True), (96, 448, 8, 4, 64, False), (1000, 8192, 1, 16, 64, True))
 # (N, K, M, tiles per slice, group of original columns, zero points): stripes of 4 tiles for groups of 128 and
 # 256 columns, of 2 for 64 ([Note: INT4 stripes]); slices with a partial last one
+
+
+STRIPE_CASES = ((16, 128, 1, 4, 4), (16, 128, 8, 4, 2), (200, 384, 5, 8, 4), (1000, 512, 3, 4, 2),
+                (1000, 8192, 2, 16, 4), (1024, 4096, 1, 16, 2), (2048, 8192, 7, 32, 4), (200, 320, 4, 4, 2),
+                (96, 448, 8, 8, 2), (100, 640, 6, 16, 4))
+# (N, K, M, tiles per slice, tiles a stripe) of plain 2:4 in stripes ([Note: 2:4 stripes]): slices with a partial
+# last one (384, 320, 448), one slice past K (640 = 20 tiles in slices of 16), rows past N
 
 
 def _pattern(n: int, k: int) -> torch.Tensor:
@@ -49,6 +57,27 @@ def _w4_case(n: int, k: int, m: int, group: int, zeros: bool):
     z = torch.randint(0, 16, (n, k // group), device="cuda", dtype=torch.uint8) if zeros else None
     x = torch.randint(-3, 4, (m, k), device="cuda").to(torch.bfloat16)
     return x, codes, meta, scales, z, sparse24_w4a16_ref(x, codes, meta, scales, z, group).float()
+
+
+def check_stripe(ws) -> int:
+    """Plain 2:4 in stripes, bit for bit."""
+    bad = 0
+    for n, k, m, kt, stripe in STRIPE_CASES:
+        sp = compress_nm(_pattern(n, k))
+        x = torch.randint(-3, 4, (m, k), device="cuda").to(torch.bfloat16)
+        ref = sparse24_ref(x, sp.values, sp.meta).float()
+        for warps, rb, depth in CONFIGS:
+            depth = min(depth, 1)  # at most one block ahead
+            torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)  # freed: the output lands on it
+            out = run_sparse_mma_stripe(x, sp.values.view(torch.int32), sp.meta, n=n, stripe=stripe,
+                                        tiles_per_slice=kt, row_blocks=rb, warps=warps, depth=depth,
+                                        workspace=ws).float()
+            ok = torch.equal(out, ref)
+            bad += not ok
+            print(f"2:4 stripes of {stripe} N={n} K={k} M={m} tiles/slice={kt} warps={warps} row blocks={rb} "
+                  f"ahead={depth}: " + ("exact" if ok else f"MISMATCH (max {(out - ref).abs().max().item()}, "
+                                                           f"{out.isnan().sum().item()} NaN)"), flush=True)
+    return bad
 
 
 def check_w4(ws) -> int:
@@ -123,6 +152,10 @@ def main() -> int:
     torch.manual_seed(0)
     bad = 0
     ws = _word._stationary_workspace(torch.device("cuda"))
+    if sys.argv[1:] == ["--stripes"]:  # plain 2:4 in stripes alone
+        bad = check_stripe(ws)
+        print("all exact" if not bad else f"{bad} mismatches")
+        return 1 if bad else 0
     for n, k, m, kt in CASES:
         sp = compress_nm(_pattern(n, k))
         x = torch.randint(-3, 4, (m, k), device="cuda").to(torch.bfloat16)
@@ -136,6 +169,7 @@ def main() -> int:
             print(f"N={n} K={k} M={m} tiles/slice={kt} warps={warps} row blocks={rb} ahead={depth}: "
                   + ("exact" if ok else f"MISMATCH (max {(out - ref).abs().max().item()}, "
                                         f"{out.isnan().sum().item()} NaN)"), flush=True)
+    bad += check_stripe(ws)
     bad += check_w4(ws)
     bad += check_gemm(ws)
     print("all exact" if not bad else f"{bad} mismatches")

@@ -89,6 +89,41 @@ def run_sparse_mma(x: torch.Tensor, words: torch.Tensor, meta: torch.Tensor, *, 
     return out
 
 
+def sparse_mma_stripe_fits(x: torch.Tensor, words: torch.Tensor, meta: torch.Tensor | None, stripe: int) -> bool:
+    """:func:`sparse_mma_fits`, and operands the striped kernel reads in vectors ([Note: 2:4 stripes] in
+    ``_sparse_mma_kernels``): ``K`` a multiple of the stripe, a lane's 8 bytes a tile and the stripe's positions
+    aligned as vectors."""
+    if not sparse_mma_fits(x, words, meta) or x.shape[1] % (TILE_K * stripe):
+        return False
+    return words.stride(0) % (2 * stripe) == 0 and words.data_ptr() % 16 == 0 and meta.stride(0) % (4 * stripe) == 0 \
+        and meta.data_ptr() % 16 == 0
+
+
+def run_sparse_mma_stripe(x: torch.Tensor, words: torch.Tensor, meta: torch.Tensor, *, n: int, stripe: int,
+                          tiles_per_slice: int, row_blocks: int, warps: int, depth: int = 0,
+                          workspace: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """Plain 2:4 on sparse tensor cores in stripes of ``stripe`` (2 or 4) tiles (:func:`sparse_mma_stripe_fits`):
+    operands as :func:`run_sparse_mma`, ``depth`` 0 or 1 blocks loaded ahead, whole stripes a slice."""
+    if depth not in (0, 1) or stripe not in (2, 4):
+        raise ValueError(f"run_sparse_mma_stripe: depth must be 0 or 1 and stripe 2 or 4, got {depth}, {stripe}")
+    if tiles_per_slice % stripe or tiles_per_slice & (tiles_per_slice - 1):
+        raise ValueError(f"run_sparse_mma_stripe: tiles_per_slice must be a power of two and a multiple of the "
+                         f"stripe ({stripe}), got {tiles_per_slice}")
+    m = x.shape[0]
+    tiles, split, run, out, parts, counters, fix_k = _setup("run_sparse_mma_stripe", x, words, n=n,
+                                                            tiles_per_slice=tiles_per_slice, row_blocks=row_blocks,
+                                                            warps=warps, workspace=workspace)
+    lanes = words.view(torch.int64)  # two value words a tile and lane
+    meta32 = meta.view(torch.int32)
+    asm, io = _kernels().s24_stripe_asm(stripe)
+    _kernels().sparse_mma_stripe_kernel[(cdiv(n, run), split)](
+        x.view(torch.int32), lanes, meta32, parts, counters, out, m, n, tiles, split,
+        x.stride(0) // 2, lanes.stride(0), meta32.stride(0), out.stride(0),
+        KT=tiles_per_slice, STRIPE=stripe, ROW_BLOCKS=row_blocks, DEPTH=depth, EVEN_K=tiles % tiles_per_slice == 0,
+        PARTIAL=split > 1, FIX_K=fix_k, ASM=asm, ASM_IO=io, num_warps=warps)
+    return out
+
+
 def sparse_mma_w4_fits(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor | None, s: torch.Tensor,
                        z: torch.Tensor | None, *, group: int) -> bool:
     """2:4 + INT4 on sparse tensor cores: as :func:`sparse_mma_fits` for ``x`` and ``meta`` (here int16 words, as the

@@ -65,6 +65,21 @@ On an H100 (benchmarks/RESULTS.md, kernels runs 152-156, bf16 in the same proces
 2.00 / 2.11 / 2.07x; four rows 2.39-2.59x, eight rows 2.04-2.33x. The first version (no block ahead, masked loads)
 gave 2.44 / 2.81 / 2.67x at one row.
 
+[Note: 2:4 stripes] Tile by tile, plain 2:4 reads a lane's values of a tile and row in one 8-byte load, and each
+pair of tiles' positions in masked 4-byte loads that it shifts and folds per lane: 424 instructions a block of 16
+tiles in its loop (sm_90 SASS, 48 loads, 240 registers), most of them address and mask arithmetic (IMAD, ISETP),
+which is why moving ``x`` to shared memory did not help it (kernels run 168). ``sparse_mma_stripe_kernel`` reads
+plain values as the 2:4 + INT4 kernel reads codes ([Note: INT4 stripes]): lane ``t`` takes the stripe's stored blocks ``2 S t`` to
+``2 S t + 2 S - 1`` (``S`` = 2 or 4 tiles a stripe), so its values of a row are ``2 S`` consecutive words, one or two
+16-byte loads, and tile ``s`` gets the 64-bit pair of words ``2s``, ``2s + 1`` as its logical blocks ``t`` and ``t +
+4`` (``s24_stripe_asm`` splits the pair into the ``A`` registers). ``x`` and the metadata follow that order exactly as
+for 2:4 + INT4 (the same ``B`` loads and ``meta_gather``), and the weights are read unmasked (rows past ``N`` read row
+``N - 1``, stripes past ``K`` the last one, where ``x`` is zero). The same block then takes 296 instructions, 24 loads
+and 148 registers. The tuner times both kernels: in kernels runs 172-174 the stripes won at one row on every shape
+(H100: 1.39 / 1.51 / 1.48x of bf16 to 1.46 / 1.62 / 1.60x; H200: 1.30-1.44x to 1.37-1.60x) and mostly at four rows;
+on 8192x8192 at 4-8 rows the tile-wise kernel stays ahead. ``benchmarks/sparse_mma_check.py --stripes`` checks it
+bit for bit.
+
 Tiles past ``K`` and rows past ``N`` read zero values with a valid position pair (0, 1), since an invalid one is
 undefined behaviour for the instruction. Positions must be sorted and distinct within a block, as ``compress.nm``
 writes them (the x-stationary kernel assumes the same).
@@ -163,6 +178,35 @@ def w4_stripe_asm(stripe: int) -> tuple[str, str]:
     lines += ["mov.f32 $0, e0;", "mov.f32 $1, e1;", "mov.f32 $2, e2;", "mov.f32 $3, e3;", "}"]
     code = "l" if stripe == 4 else "r"
     io = ["=f"] * 4 + [code] * (2 * stripe) + ["r"] * (9 * stripe)
+    return "\n".join(lines), ",".join(io)
+
+
+@functools.cache
+def s24_stripe_asm(stripe: int) -> tuple[str, str]:
+    """Plain 2:4, one stripe of ``stripe`` (2 or 4) tiles ([Note: 2:4 stripes]): the inline asm and its constraints,
+    for ``pack=stripe``. Operands in order, ``stripe`` registers each (a broadcast value: only its first is read):
+    tile ``s``'s value words of rows ``g`` and ``g + 8`` (64 bits each: its logical blocks ``t`` and ``t + 4``), the
+    four ``B`` registers of every tile, the stripe's metadata words of both rows, and the lane value ``t // 2 + 4 (t %
+    2)``. Out: the stripe's sums, row ``g`` times rows ``2t``, ``2t + 1`` of ``x``, then row ``g + 8``."""
+    if stripe not in (2, 4):
+        raise ValueError(f"s24_stripe_asm: a stripe has 2 or 4 tiles, got {stripe}")
+    nxt = iter(range(4, 4 + 9 * stripe))
+    vg, vh = ([next(nxt) for _ in range(stripe)] for _ in range(2))
+    b = [[next(nxt) for _ in range(stripe)] for _ in range(4)]
+    mg, mh, lane = ([next(nxt) for _ in range(stripe)] for _ in range(3))
+    lines = ["{", ".reg .b32 ag<2>, ah<2>, t2, n4, ts, sel, u, v, xg, xh, m<2>;", ".reg .f32 e<4>, z;",
+             "mov.f32 z, 0f00000000;", f"and.b32 t2, ${lane[0]}, 1;", f"and.b32 n4, ${lane[0]}, 4;"]
+    for pair in range(stripe // 2):
+        lines.append(f"add.u32 ts, t2, {2 * pair};")  # the pair's tile of this lane
+        lines += meta_gather(stripe, [f"${w}" for w in mg], [f"${w}" for w in mh], f"m{pair}")
+    for s in range(stripe):
+        # A: (row g, block t), (row g + 8, block t), (row g, block t + 4), (row g + 8, block t + 4)
+        lines += [f"mov.b64 {{ag0, ag1}}, ${vg[s]};", f"mov.b64 {{ah0, ah1}}, ${vh[s]};"]
+        acc = "z, z, z, z" if s == 0 else "e0, e1, e2, e3"
+        lines.append(f"{_MMA} {{e0, e1, e2, e3}}, {{ag0, ah0, ag1, ah1}}, {{${b[0][s]}, ${b[1][s]}, ${b[2][s]}, "
+                     f"${b[3][s]}}}, {{{acc}}}, m{s // 2}, 0x{s % 2};")
+    lines += ["mov.f32 $0, e0;", "mov.f32 $1, e1;", "mov.f32 $2, e2;", "mov.f32 $3, e3;", "}"]
+    io = ["=f"] * 4 + ["l"] * (2 * stripe) + ["r"] * (7 * stripe)
     return "\n".join(lines), ",".join(io)
 
 
@@ -353,6 +397,37 @@ def finish_run(part_ptr, count_ptr, out_ptr, run_index, row0, M0, M, N, SPLIT, s
 
 
 @gluon.jit
+def _stripe_b(x_ptr, stride_xm, M, pid_k, stripes, Q: gl.constexpr, STRIPE: gl.constexpr, L4: gl.constexpr):
+    """The ``B`` registers of a slice read in stripes ([Note: INT4 stripes], [Note: 2:4 stripes]), loaded once: axis 2
+    the stripe ``q``, axis 3 its tile ``s``; register ``i`` holds logical block ``L = t // 2 + 2i`` of the tile, stored
+    block ``2 STRIPE (L % 4) + 2s + L // 4`` of the stripe (zero past ``K`` and past ``M``). Returns the four, the lane
+    value ``t // 2 + 4 (t % 2)`` that the asm's metadata gather takes, and ``g``, ``t``, ``q``, ``s``."""
+    lane = _along4(32, 1, L4)
+    g = lane // 4
+    t = lane % 4
+    q = pid_k * Q + _along4(Q, 2, L4)
+    s = _along4(STRIPE, 3, L4)
+    xmask = (g < M) & (q < stripes)
+    xrow = x_ptr + g * stride_xm + q * (16 * STRIPE) + 4 * s + t % 2
+    t2 = t // 2
+    b0 = gl.load(xrow + 2 * (2 * STRIPE * (t2 % 4) + t2 // 4), mask=xmask, other=0)
+    b1 = gl.load(xrow + 2 * (2 * STRIPE * ((t2 + 2) % 4) + (t2 + 2) // 4), mask=xmask, other=0)
+    b2 = gl.load(xrow + 2 * (2 * STRIPE * ((t2 + 4) % 4) + (t2 + 4) // 4), mask=xmask, other=0)
+    b3 = gl.load(xrow + 2 * (2 * STRIPE * ((t2 + 6) % 4) + (t2 + 6) // 4), mask=xmask, other=0)
+    return b0, b1, b2, b3, gl.zeros_like(b0) + (t2 + 4 * (t % 2)), g, t, q, s
+
+
+@gluon.jit
+def _stripe_slots(M, STRIPE: gl.constexpr, O3: gl.constexpr, num_warps: gl.constexpr):
+    """Where a stripe's sums go: slot ``j`` is weight row ``g + 8 (j // 2)`` of the block, row ``2t + j % 2`` of ``x``
+    (two slots a stripe of 2: row ``g``, then ``g + 8``). ``(weight row, row of x, live)``."""
+    lane_o = _along3(32, 1, O3)
+    slot = _along3(STRIPE, 2, O3)
+    o_m = 2 * (lane_o % 4) + slot % 2
+    return 16 * _along3(num_warps, 0, O3) + lane_o // 4 + 8 * (slot // 2), o_m, o_m < M
+
+
+@gluon.jit
 def w4_codes(w_ptr, z_ptr, ra, col, z_col, live, N, stride_wn, stride_zn, HAS_ZEROS: gl.constexpr):
     """2:4 + INT4 (the 2:4 GEMM): a tile's codes of rows ``ra`` (low 16 bits) and ``ra + 8`` (high) from the int16 at
     ``col`` (the lane's two stored blocks of the tile, [Note: INT4 stripes]), and both rows' zero points at ``z_col``
@@ -422,21 +497,7 @@ def sparse_mma_w4_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, count_p
     pid_k = gl.program_id(1)
     stripes = TILES // STRIPE
 
-    # B: axis 2 the stripe q, axis 3 its tile s; register i holds logical block L = t // 2 + 2i of the tile, stored
-    # block 2 STRIPE (L % 4) + 2s + L // 4 of the stripe ([Note: INT4 stripes])
-    lane = _along4(32, 1, L4)
-    g = lane // 4
-    t = lane % 4
-    q = pid_k * Q + _along4(Q, 2, L4)
-    s = _along4(STRIPE, 3, L4)
-    xmask = (g < M) & (q < stripes)
-    xrow = x_ptr + g * stride_xm + q * (16 * STRIPE) + 4 * s + t % 2
-    t2 = t // 2
-    b0 = gl.load(xrow + 2 * (2 * STRIPE * (t2 % 4) + t2 // 4), mask=xmask, other=0)
-    b1 = gl.load(xrow + 2 * (2 * STRIPE * ((t2 + 2) % 4) + (t2 + 2) // 4), mask=xmask, other=0)
-    b2 = gl.load(xrow + 2 * (2 * STRIPE * ((t2 + 4) % 4) + (t2 + 4) // 4), mask=xmask, other=0)
-    b3 = gl.load(xrow + 2 * (2 * STRIPE * ((t2 + 6) % 4) + (t2 + 6) // 4), mask=xmask, other=0)
-    lane_v = gl.zeros_like(b0) + (t2 + 4 * (t % 2))
+    b0, b1, b2, b3, lane_v, g, t, q, s = _stripe_b(x_ptr, stride_xm, M, pid_k, stripes, Q, STRIPE, L4)
     # metadata: both rows' words of each stripe, every lane of a quad the same STRIPE words (one vector load); the
     # weights are read unmasked: stripes past K read the last one (x is zero there), rows past N row N - 1
     # (EVEN_K: every slice whole, nothing to clamp, and a slice's scales of a row contiguous: one vector load)
@@ -453,12 +514,7 @@ def sparse_mma_w4_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, count_p
     a_col = q3 * 4 + lane3 % 4
     g_col = q3 // (GROUP // (32 * STRIPE))
 
-    # slot j of a sum: weight row g + 8 (j // 2), row 2t + j % 2 of x (two slots a stripe of 2: row g, then g + 8)
-    lane_o = _along3(32, 1, O3)
-    slot = _along3(STRIPE, 2, O3)
-    o_row = 16 * _along3(num_warps, 0, O3) + lane_o // 4 + 8 * (slot // 2)
-    o_m = 2 * (lane_o % 4) + slot % 2
-    o_live = o_m < M
+    o_row, o_m, o_live = _stripe_slots(M, STRIPE, O3, num_warps)
 
     row0 = pid_r * (ROWS * ROW_BLOCKS)
     if DEPTH == 1:
@@ -490,6 +546,80 @@ def sparse_mma_w4_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, count_p
             d0, d1 = gl.inline_asm_elementwise(ASM, ASM_IO, ops, dtype=(gl.float32, gl.float32), is_pure=True, pack=2)
             acc0 = gl.sum(d0 * sg4, axis=2)
             acc1 = gl.sum(d1 * sh4, axis=2)
+            _store_sums(acc0, out_ptr, part_ptr, row, o_m, o_live & (row < N), N, SPLIT, pid_k, stride_om, PARTIAL)
+            _store_sums(acc1, out_ptr, part_ptr, row + 8, o_m, o_live & (row + 8 < N), N, SPLIT, pid_k, stride_om,
+                        PARTIAL)
+    if PARTIAL:
+        finish_run(part_ptr, count_ptr, out_ptr, pid_r, row0, 0, M, N, SPLIT, stride_om, ROWS * ROW_BLOCKS, FIX_K,
+                   num_warps)
+
+
+@gluon.jit
+def _s24_block(w_ptr, meta_ptr, rows, a_row, a_col, m_row, m_col, N, stride_wn, stride_mn):
+    """A block's operands of every stripe of the slice, rows ``g`` and ``g + 8`` each: the lane's value words of every
+    tile (64 bits a tile) and the stripe's positions. Unmasked ([Note: 2:4 stripes]): rows from ``N`` on read row
+    ``N - 1``; the caller clamps the stripes past ``K``."""
+    rg = gl.minimum(rows + a_row, N - 1)
+    rh = gl.minimum(rows + a_row + 8, N - 1)
+    mg = gl.load(meta_ptr + gl.minimum(rows + m_row, N - 1) * stride_mn + m_col)
+    mh = gl.load(meta_ptr + gl.minimum(rows + m_row + 8, N - 1) * stride_mn + m_col)
+    return gl.load(w_ptr + rg * stride_wn + a_col), gl.load(w_ptr + rh * stride_wn + a_col), mg, mh
+
+
+@gluon.jit
+def sparse_mma_stripe_kernel(x_ptr, w_ptr, meta_ptr, part_ptr, count_ptr, out_ptr, M, N, TILES, SPLIT,
+                             stride_xm, stride_wn, stride_mn, stride_om, KT: gl.constexpr, STRIPE: gl.constexpr,
+                             ROW_BLOCKS: gl.constexpr, DEPTH: gl.constexpr, EVEN_K: gl.constexpr,
+                             PARTIAL: gl.constexpr, FIX_K: gl.constexpr, ASM: gl.constexpr, ASM_IO: gl.constexpr,
+                             num_warps: gl.constexpr):
+    """Plain 2:4 in stripes: ``out[M, N] = x @ densify(values, meta)^T`` for ``M <= 8`` ([Note: 2:4 stripes]).
+
+    ``w_ptr``: the kept values (N, K / 2) bf16 read as int64 (N, K / 8), two value words a tile and lane; ``meta_ptr``:
+    the positions (N, K / 8) uint8 read as int32 words; ``ASM`` / ``ASM_IO``: ``s24_stripe_asm(STRIPE)``; the rest as
+    ``sparse_mma_w4_kernel``."""
+    Q: gl.constexpr = KT // STRIPE  # stripes a slice
+    L4: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, Q, STRIPE], threads_per_warp=[1, 32, 1, 1],
+                                        warps_per_cta=[num_warps, 1, 1, 1], order=[3, 2, 1, 0])
+    O3: gl.constexpr = gl.SliceLayout(2, L4)  # per accumulator slot
+    ROWS: gl.constexpr = 16 * num_warps
+    pid_r = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    stripes = TILES // STRIPE
+
+    b0, b1, b2, b3, lane_v, g, t, q, s = _stripe_b(x_ptr, stride_xm, M, pid_k, stripes, Q, STRIPE, L4)
+    # values: lane t's stored blocks 2 STRIPE t .. 2 STRIPE t + 2 STRIPE - 1 of the stripe, tile s the 64-bit pair
+    # 2s, 2s + 1 (its logical blocks t and t + 4); metadata: both rows' STRIPE words, every lane of a quad the same
+    w_row = 16 * _along4(num_warps, 0, L4) + g
+    if EVEN_K:
+        qc = q
+    else:
+        qc = gl.minimum(q, stripes - 1)  # stripes past K read the last one (x is zero there)
+    a_col = qc * (4 * STRIPE) + t * STRIPE + s
+    m_col = qc * STRIPE + s
+
+    o_row, o_m, o_live = _stripe_slots(M, STRIPE, O3, num_warps)
+
+    row0 = pid_r * (ROWS * ROW_BLOCKS)
+    if DEPTH == 1:
+        nxt = _s24_block(w_ptr, meta_ptr, row0, w_row, a_col, w_row, m_col, N, stride_wn, stride_mn)
+    for blk in range(ROW_BLOCKS):
+        rows = row0 + blk * ROWS
+        if DEPTH == 1:  # this block's operands were loaded during the last one; the next block's go in flight now
+            vg, vh, mg, mh = nxt
+            if blk + 1 < ROW_BLOCKS:
+                nxt = _s24_block(w_ptr, meta_ptr, rows + ROWS, w_row, a_col, w_row, m_col, N, stride_wn, stride_mn)
+        else:
+            vg, vh, mg, mh = _s24_block(w_ptr, meta_ptr, rows, w_row, a_col, w_row, m_col, N, stride_wn, stride_mn)
+        row = rows + o_row
+        ops = [vg, vh, b0, b1, b2, b3, mg, mh, lane_v]
+        if STRIPE == 4:  # one output, slots 0-3
+            d = gl.inline_asm_elementwise(ASM, ASM_IO, ops, dtype=gl.float32, is_pure=True, pack=4)
+            acc = gl.sum(d, axis=2)
+            _store_sums(acc, out_ptr, part_ptr, row, o_m, o_live & (row < N), N, SPLIT, pid_k, stride_om, PARTIAL)
+        else:  # two outputs, rows g and g + 8
+            d0, d1 = gl.inline_asm_elementwise(ASM, ASM_IO, ops, dtype=(gl.float32, gl.float32), is_pure=True, pack=2)
+            acc0 = gl.sum(d0, axis=2)
+            acc1 = gl.sum(d1, axis=2)
             _store_sums(acc0, out_ptr, part_ptr, row, o_m, o_live & (row < N), N, SPLIT, pid_k, stride_om, PARTIAL)
             _store_sums(acc1, out_ptr, part_ptr, row + 8, o_m, o_live & (row + 8 < N), N, SPLIT, pid_k, stride_om,
                         PARTIAL)

@@ -126,6 +126,8 @@ class WordConfig:
     # _dense_mma_kernels)
     x_shared: bool = False  # dense_mma: x in shared memory, read again for each block of rows ([Note: x in shared
     # memory] in _dense_mma_kernels)
+    stripe: int = 0  # sparse_mma, plain 2:4: > 0 picks the kernel that reads the values in stripes of that many
+    # tiles (2 or 4), unmasked ([Note: 2:4 stripes] in _sparse_mma_kernels); prefetch 0 or 1
 
 
 @functools.cache
@@ -668,6 +670,25 @@ def sparse_mma_candidates(m: int, n: int, k: int, device: torch.device,
     return out
 
 
+# plain 2:4 in stripes (tiles per slice, warps, blocks loaded ahead: 0 or 1, tiles a stripe): a block's values and
+# positions in half the loads and registers of the tile-wise kernel ([Note: 2:4 stripes] in _sparse_mma_kernels)
+# (sm_90 SASS: 146-169 registers, none spilled; 16 tiles with one block ahead, or 32 tiles, spill)
+SPARSE_MMA_STRIPE_TILES = ((16, 4, 0, 4), (8, 4, 1, 4), (16, 8, 0, 4), (8, 8, 1, 4), (8, 4, 0, 4), (4, 4, 1, 4),
+                           (16, 4, 0, 2), (8, 4, 1, 2), (4, 4, 1, 2))
+
+
+def sparse_mma_stripe_candidates(m: int, n: int, k: int, device: torch.device) -> list[WordConfig]:
+    """Configs of plain 2:4 in stripes (the caller checks ``_sparse_mma.sparse_mma_stripe_fits`` for each stripe):
+    as :func:`sparse_mma_candidates` over ``SPARSE_MMA_STRIPE_TILES``, whole stripes a slice."""
+    out = []
+    for kt, warps, depth, stripe in SPARSE_MMA_STRIPE_TILES:
+        for c in sparse_mma_candidates(m, n, k, device, ((kt, warps, depth),)):
+            c = replace(c, stripe=stripe)
+            if (c.block_w // 8) % stripe == 0 and c not in out:
+                out.append(c)
+    return out
+
+
 def sparse_mma_w4_candidates(m: int, n: int, k: int, group: int, device: torch.device) -> list[WordConfig]:
     """Configs of the 2:4 + INT4 GEMV on sparse tensor cores (the caller checks ``_sparse_mma.sparse_mma_w4_fits``):
     as :func:`sparse_mma_candidates` over ``SPARSE_MMA_W4_TILES``, whole stripes a slice ([Note: INT4 stripes] in
@@ -796,6 +817,11 @@ def run_sparse_mma(x, words, meta, c: WordConfig, *, n: int, s=None, z=None, gro
     if s is not None:
         return run_sparse_mma_w4(x, words, meta, s, z, n=n, group=group, tiles_per_slice=c.block_w // 8,
                                  row_blocks=c.row_blocks, warps=c.warps, depth=c.prefetch, workspace=ws)
+    if c.stripe:
+        from ._sparse_mma import run_sparse_mma_stripe
+
+        return run_sparse_mma_stripe(x, words, meta, n=n, stripe=c.stripe, tiles_per_slice=c.block_w // 8,
+                                     row_blocks=c.row_blocks, warps=c.warps, depth=c.prefetch, workspace=ws)
     return run(x, words, meta, n=n, tiles_per_slice=c.block_w // 8, row_blocks=c.row_blocks, warps=c.warps,
                depth=c.prefetch, workspace=ws)
 
@@ -903,10 +929,13 @@ def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
     if fmt == FMT_S24 and meta_words(meta) is None:
         stationary = []  # metadata the x-stationary kernel cannot read as int32 words
     if fmt == FMT_S24:
-        from ._sparse_mma import sparse_mma_fits
+        from ._sparse_mma import sparse_mma_fits, sparse_mma_stripe_fits
 
         mma = sparse_mma_fits(x, words, meta) and sparse_mma_candidates(m, n, k, x.device)
-        if mma:  # it beat the CUDA-core kernels at every shape and 1-8 rows (kernels runs 66-73): tune it alone
+        if mma:  # it beat the CUDA-core kernels at every shape and 1-8 rows (kernels runs 66-73): tune it alone,
+            # with its striped variant (faster at one row, not always at 4-8: kernels run 172)
+            mma += [c for c in sparse_mma_stripe_candidates(m, n, k, x.device)
+                    if sparse_mma_stripe_fits(x, words, meta, c.stripe)]
             return launch(_pick(key, mma, launch))
     if fmt == FMT_W4:
         from ._dense_mma import dense_mma_w4_fits

@@ -47,6 +47,9 @@ x_dtype = torch.int32
 if kernel_name == "sparse_mma_w4_kernel":  # the GEMV: a lane's codes of a stripe in one load, the stripe's asm
     const["ASM"], const["ASM_IO"] = _sparse_mma_kernels.w4_stripe_asm(const["STRIPE"])
     w_dtype = torch.int64 if const["STRIPE"] == 4 else torch.int32
+if kernel_name == "sparse_mma_stripe_kernel":  # plain 2:4 in stripes: a lane's two value words a tile, the asm
+    const["ASM"], const["ASM_IO"] = _sparse_mma_kernels.s24_stripe_asm(const["STRIPE"])
+    w_dtype = torch.int64
 if kernel_name == "dense_mma_w4_kernel":  # INT4 words, x gathered as int16, the stripe's asm
     const["ASM"], const["ASM_IO"] = _dense_mma_kernels.w4_dense_asm(const["NT"])
     w_dtype, x_dtype = torch.int32, torch.int16  # (words: K / 8 a row, as 2:4 + INT4's codes)

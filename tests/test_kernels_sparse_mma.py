@@ -2,10 +2,10 @@
 kernels/_sparse_mma_kernels.py, [Note: 2:4 GEMM on sparse tensor cores] in kernels/_sparse_gemm_kernels.py), Gluon
 kernels around inline ``mma.sp`` that the CPU interpreter cannot run. Here: when they are offered and chosen, that
 bad arguments are refused, and that they compile for sm_90 into what they exist for: one sparse MMA per 32-column
-tile (and group of 8 rows of x), the two selectors of a shared metadata register, weight words read in 8-byte pairs,
-x read from shared memory in whole fragments, nothing spilled. Their values are checked on the GPU, bit for bit on
+tile (and group of 8 rows of x), the two selectors of a shared metadata register, weight words read in 8-byte pairs
+(16-byte vectors in stripes), x read from shared memory in whole fragments, nothing spilled. Their values are checked on the GPU, bit for bit on
 integer data (``benchmarks/sparse_mma_check.py``) and against the reference at full size (``benchmarks/gemv_check.py
---formats s24 s24w4 --kinds mma``; benchmarks/RESULTS.md, kernels runs 66-69 and 141-142)."""
+--formats s24 s24w4 --kinds mma mma_stripe``; benchmarks/RESULTS.md, kernels runs 66-69, 141-142 and 172-174)."""
 from __future__ import annotations
 
 import re
@@ -53,6 +53,37 @@ def test_fits_bf16_x_of_1_to_8_rows_and_aligned_operands(monkeypatch):
     assert not _sparse_mma.sparse_mma_fits(x, words, None)
     assert not _sparse_mma.sparse_mma_fits(torch.zeros(4, 240, dtype=torch.bfloat16), words[:, :60], meta[:, :30])
     assert not _sparse_mma.sparse_mma_fits(x, words, torch.zeros(64, 33, dtype=torch.uint8)[:, 1:])  # 1 byte in
+
+
+def test_stripes_fit_whole_stripes_of_aligned_operands(monkeypatch):
+    """[Note: 2:4 stripes]: what the tile-wise kernel takes, with K a multiple of the stripe and the rows of values and
+    positions aligned for the vector loads (16-byte values a lane, the stripe's positions of a row)."""
+    monkeypatch.setattr(_sparse_mma, "sparse_mma_possible", lambda device: True)
+    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    words = torch.zeros(64, 64, dtype=torch.int32)
+    meta = torch.zeros(64, 32, dtype=torch.uint8)
+    assert all(_sparse_mma.sparse_mma_stripe_fits(x, words, meta, stripe) for stripe in (2, 4))
+    x192 = torch.zeros(1, 192, dtype=torch.bfloat16)  # 6 tiles: stripes of 2, not of 4
+    assert _sparse_mma.sparse_mma_stripe_fits(x192, words[:, :48], meta[:, :24], 2)
+    assert not _sparse_mma.sparse_mma_stripe_fits(x192, words[:, :48], meta[:, :24], 4)
+    odd = torch.zeros(64, 66, dtype=torch.int32)[:, :64]  # rows 264 bytes apart: not 16-byte aligned
+    assert _sparse_mma.sparse_mma_fits(x, odd, meta) and not _sparse_mma.sparse_mma_stripe_fits(x, odd, meta, 4)
+    shifted = torch.zeros(64, 36, dtype=torch.uint8)[:, 4:]  # positions 4 bytes in: fine tile-wise, not as vectors
+    assert _sparse_mma.sparse_mma_fits(x, words, shifted)
+    assert not _sparse_mma.sparse_mma_stripe_fits(x, words, shifted, 4)
+    assert not _sparse_mma.sparse_mma_stripe_fits(x, words, None, 4)
+
+
+def test_stripe_candidates_hold_whole_stripes_and_one_block_ahead_at_most(monkeypatch):
+    monkeypatch.setattr(_word, "_sm_count", lambda index: 132)
+    gpu = torch.device("cuda", 0)
+    for m, n, k in ((1, 8192, 8192), (4, 28672, 8192), (8, 8192, 28672), (1, 100, 384)):
+        got = _word.sparse_mma_stripe_candidates(m, n, k, gpu)
+        assert got and all(c.sparse_mma and c.stripe in (2, 4) and c.prefetch in (0, 1) for c in got)
+        assert all((c.block_w // 8) % c.stripe == 0 for c in got)
+        assert {c.stripe for c in got} == {2, 4}
+        plain = _word.sparse_mma_candidates(m, n, k, gpu)
+        assert not set(got) & set(plain) and all(c.stripe == 0 for c in plain)
 
 
 def test_fits_2_4_int4_with_groups_of_64_columns_and_int16_metadata(monkeypatch):
@@ -125,6 +156,8 @@ def test_gemv_tunes_plain_2_4_on_sparse_tensor_cores_alone_and_2_4_int4_beside_t
     with pytest.raises(Picked):
         _word.run_gemv(x, words, values, None, m, fmt=_word.FMT_S24, group=1, n=64, k=256)
     assert offered[-1] and all(c.sparse_mma for c in offered[-1])
+    # both layouts: the striped kernel won at one row, the tile-wise one at 4-8 rows on 8192x8192 (kernels run 172)
+    assert {c.stripe for c in offered[-1]} == {0, 2, 4}
     codes = torch.zeros(64, 64, dtype=torch.uint8)
     words, m = _word.word_view(_word.FMT_S24W4, codes, meta, 256)
     scales = torch.ones(64, 2, dtype=torch.bfloat16)
@@ -230,6 +263,13 @@ def test_bad_arguments_are_refused_before_launch():
         _sparse_mma.run_sparse_mma(x, words, meta, n=64, tiles_per_slice=8, row_blocks=3, warps=4, workspace=None)
     with pytest.raises(ValueError, match="workspace"):
         _sparse_mma.run_sparse_mma(x, words, meta, n=64, tiles_per_slice=2, row_blocks=1, warps=4, workspace=None)
+    for stripe, tiles, depth in ((3, 4, 0), (4, 4, 2), (4, 2, 0), (2, 6, 0)):
+        with pytest.raises(ValueError, match="stripe"):
+            _sparse_mma.run_sparse_mma_stripe(x, words, meta, n=64, stripe=stripe, tiles_per_slice=tiles,
+                                              row_blocks=1, warps=4, depth=depth, workspace=None)
+    with pytest.raises(ValueError, match="workspace"):
+        _sparse_mma.run_sparse_mma_stripe(x, words, meta, n=64, stripe=2, tiles_per_slice=4, row_blocks=1, warps=4,
+                                          workspace=None)
 
 
 def _compiled(tmp_path: Path, kernel: str, **const) -> dict:
@@ -280,6 +320,26 @@ def test_compiles_for_hopper_to_one_sparse_mma_per_tile(tmp_path, kt, warps, dep
     loads = [op for op, _ in got["ops"] if op.startswith("LDG")]
     # the value words: two 8-byte loads per tile (rows g and g + 8) for each block loaded (prologue + loop)
     assert loads.count("LDG.E.64") == 2 * kt * (depth + 1)
+
+
+@pytest.mark.parametrize("kt,warps,depth,stripe,even", [(16, 4, 0, 4, True), (8, 8, 1, 4, False), (8, 4, 1, 2, True)])
+def test_stripes_compile_for_hopper_to_one_sparse_mma_per_tile_and_vector_loads(tmp_path, kt, warps, depth, stripe,
+                                                                                even):
+    """[Note: 2:4 stripes]: a lane's values of a stripe and row in 16-byte loads (two for a stripe of 4 tiles, one for
+    2), the stripe's positions of a row in one load (16 or 8 bytes), for each block loaded (one ahead: the first
+    before the loop); nothing else of the weights, and x in 4-byte loads once, 4 a tile."""
+    got = _compiled(tmp_path, "sparse_mma_stripe_kernel", KT=kt, STRIPE=stripe, DEPTH=depth, EVEN_K=even,
+                    num_warps=warps)
+    _one_sparse_mma_per_tile(got, kt)
+    ops = [op for op, _ in got["ops"]]
+    stripes = kt // stripe * (depth + 1)
+    if stripe == 4:
+        assert ops.count("LDG.E.128") == 6 * stripes and "LDG.E.64" not in ops
+    else:
+        assert ops.count("LDG.E.128") == 2 * stripes and ops.count("LDG.E.64") == 2 * stripes
+    assert ops.count("LDG.E") == 4 * kt
+    # half the registers of the tile-wise kernel at the same slice: room for three programs an SM
+    assert got["regs"] <= 176
 
 
 @pytest.mark.parametrize("w4,kt,groups,warps,depth,blocks", [(False, 4, 8, 4, 1, 1), (False, 8, 4, 4, 1, 1),
