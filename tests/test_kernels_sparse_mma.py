@@ -3,8 +3,8 @@ kernels/_sparse_mma_kernels.py, [Note: 2:4 GEMM on sparse tensor cores] in kerne
 kernels around inline ``mma.sp`` that the CPU interpreter cannot run. Here: when they are offered and chosen, that
 bad arguments are refused, and that they compile for sm_90 into what they exist for: one sparse MMA per 32-column
 tile (and group of 8 rows of x), the two selectors of a shared metadata register, weight words read in 8-byte pairs
-(16-byte vectors in stripes), x read from shared memory in whole fragments, nothing spilled. Their values are checked on the GPU, bit for bit on
-integer data (``benchmarks/sparse_mma_check.py``) and against the reference at full size (``benchmarks/gemv_check.py
+(16-byte vectors in stripes), x read from shared memory in whole fragments, nothing spilled. Their values are checked
+on the GPU, bit for bit on integer data (``benchmarks/sparse_mma_check.py``) and against the reference at full size (``benchmarks/gemv_check.py
 --formats s24 s24w4 --kinds mma mma_stripe``; benchmarks/RESULTS.md, kernels runs 66-69, 141-142 and 172-174)."""
 from __future__ import annotations
 
@@ -338,8 +338,8 @@ def test_stripes_compile_for_hopper_to_one_sparse_mma_per_tile_and_vector_loads(
     else:
         assert ops.count("LDG.E.128") == 2 * stripes and ops.count("LDG.E.64") == 2 * stripes
     assert ops.count("LDG.E") == 4 * kt
-    # half the registers of the tile-wise kernel at the same slice: room for three programs an SM
-    assert got["regs"] <= 176
+    # fewer registers than the tile-wise kernel's 240 at 16 tiles: three programs of 4 warps an SM instead of two
+    assert got["regs"] <= 168
 
 
 @pytest.mark.parametrize("w4,kt,groups,warps,depth,blocks", [(False, 4, 8, 4, 1, 1), (False, 8, 4, 4, 1, 1),
