@@ -59,24 +59,33 @@ def _w4_case(n: int, k: int, m: int, group: int, zeros: bool):
     return x, codes, meta, scales, z, sparse24_w4a16_ref(x, codes, meta, scales, z, group).float()
 
 
-def check_stripe(ws) -> int:
-    """Plain 2:4 in stripes, bit for bit."""
+def _verdict(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, str]:
+    """(bit for bit, the line's ending)."""
+    if torch.equal(out, ref):
+        return True, "exact"
+    return False, f"MISMATCH (max {(out - ref).abs().max().item()}, {out.isnan().sum().item()} NaN)"
+
+
+def check_plain(ws, *, stripes: bool) -> int:
+    """Plain 2:4, tile by tile (``CASES``) or in stripes (``STRIPE_CASES``, at most one block ahead), bit for bit."""
     bad = 0
-    for n, k, m, kt, stripe in STRIPE_CASES:
+    for n, k, m, kt, *stripe in STRIPE_CASES if stripes else CASES:
         sp = compress_nm(_pattern(n, k))
         x = torch.randint(-3, 4, (m, k), device="cuda").to(torch.bfloat16)
         ref = sparse24_ref(x, sp.values, sp.meta).float()
         for warps, rb, depth in CONFIGS:
-            depth = min(depth, 1)  # at most one block ahead
+            kw = dict(n=n, tiles_per_slice=kt, row_blocks=rb, warps=warps, workspace=ws)
             torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)  # freed: the output lands on it
-            out = run_sparse_mma_stripe(x, sp.values.view(torch.int32), sp.meta, n=n, stripe=stripe,
-                                        tiles_per_slice=kt, row_blocks=rb, warps=warps, depth=depth,
-                                        workspace=ws).float()
-            ok = torch.equal(out, ref)
+            if stripes:
+                depth = min(depth, 1)  # at most one block ahead
+                out = run_sparse_mma_stripe(x, sp.values.view(torch.int32), sp.meta, stripe=stripe[0], depth=depth,
+                                            **kw)
+            else:
+                out = run_sparse_mma(x, sp.values.view(torch.int32), sp.meta, depth=depth, **kw)
+            ok, verdict = _verdict(out.float(), ref)
             bad += not ok
-            print(f"2:4 stripes of {stripe} N={n} K={k} M={m} tiles/slice={kt} warps={warps} row blocks={rb} "
-                  f"ahead={depth}: " + ("exact" if ok else f"MISMATCH (max {(out - ref).abs().max().item()}, "
-                                                           f"{out.isnan().sum().item()} NaN)"), flush=True)
+            print(("2:4 stripes of %d " % stripe[0] if stripes else "") + f"N={n} K={k} M={m} tiles/slice={kt} "
+                  f"warps={warps} row blocks={rb} ahead={depth}: {verdict}", flush=True)
     return bad
 
 
@@ -89,12 +98,10 @@ def check_w4(ws) -> int:
             torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)  # freed: the output lands on it
             out = run_sparse_mma_w4(x, codes.view(torch.int32), meta.view(torch.int16), scales, z, n=n, group=group,
                                     tiles_per_slice=kt, row_blocks=rb, warps=warps, depth=depth, workspace=ws).float()
-            ok = torch.equal(out, ref)
+            ok, verdict = _verdict(out, ref)
             bad += not ok
             print(f"2:4+INT4 g{group} zeros={zeros} N={n} K={k} M={m} tiles/slice={kt} warps={warps} row blocks={rb} "
-                  f"ahead={depth}: "
-                  + ("exact" if ok else f"MISMATCH (max {(out - ref).abs().max().item()}, "
-                                        f"{out.isnan().sum().item()} NaN)"), flush=True)
+                  f"ahead={depth}: {verdict}", flush=True)
     return bad
 
 
@@ -127,12 +134,10 @@ def check_gemm(ws) -> int:
         torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)  # freed: the output lands on it
         out = run_sparse_gemm(x, sp.values.view(torch.int32), sp.meta, n=n, tiles_per_chunk=kt, groups=groups,
                               split=split, warps=warps, depth=depth, blocks=blocks, workspace=ws).float()
-        ok = torch.equal(out, ref)
+        ok, verdict = _verdict(out, ref)
         bad += not ok
         print(f"GEMM N={n} K={k} M={m} tiles/chunk={kt} groups={groups} slices={split} warps={warps} ahead={depth} "
-              f"blocks={blocks}: "
-              + ("exact" if ok else f"MISMATCH (max {(out - ref).abs().max().item()}, {out.isnan().sum().item()} NaN)"),
-              flush=True)
+              f"blocks={blocks}: {verdict}", flush=True)
     for n, k, m, kt, groups, split, warps, depth, group, zeros, *more in GEMM_W4_CASES:
         blocks = more[0] if more else 1
         x, codes, meta, scales, z, ref = _w4_case(n, k, m, group, zeros)
@@ -140,11 +145,10 @@ def check_gemm(ws) -> int:
         out = run_sparse_gemm_w4(x, codes.view(torch.int32), meta.view(torch.int16), scales, z, n=n, group=group,
                                  tiles_per_chunk=kt, groups=groups, split=split, warps=warps, depth=depth,
                                  blocks=blocks, workspace=ws).float()
-        ok = torch.equal(out, ref)
+        ok, verdict = _verdict(out, ref)
         bad += not ok
         print(f"GEMM 2:4+INT4 g{group} zeros={zeros} N={n} K={k} M={m} tiles/chunk={kt} groups={groups} slices={split} "
-              f"warps={warps} ahead={depth} blocks={blocks}: " + ("exact" if ok else f"MISMATCH (max {(out - ref).abs().max().item()}, "
-                                                        f"{out.isnan().sum().item()} NaN)"), flush=True)
+              f"warps={warps} ahead={depth} blocks={blocks}: {verdict}", flush=True)
     return bad
 
 
@@ -153,23 +157,11 @@ def main() -> int:
     bad = 0
     ws = _word._stationary_workspace(torch.device("cuda"))
     if sys.argv[1:] == ["--stripes"]:  # plain 2:4 in stripes alone
-        bad = check_stripe(ws)
+        bad = check_plain(ws, stripes=True)
         print("all exact" if not bad else f"{bad} mismatches")
         return 1 if bad else 0
-    for n, k, m, kt in CASES:
-        sp = compress_nm(_pattern(n, k))
-        x = torch.randint(-3, 4, (m, k), device="cuda").to(torch.bfloat16)
-        ref = sparse24_ref(x, sp.values, sp.meta).float()
-        for warps, rb, depth in CONFIGS:
-            torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)  # freed: the output lands on it
-            out = run_sparse_mma(x, sp.values.view(torch.int32), sp.meta, n=n, tiles_per_slice=kt, row_blocks=rb,
-                                 warps=warps, depth=depth, workspace=ws).float()
-            ok = torch.equal(out, ref)
-            bad += not ok
-            print(f"N={n} K={k} M={m} tiles/slice={kt} warps={warps} row blocks={rb} ahead={depth}: "
-                  + ("exact" if ok else f"MISMATCH (max {(out - ref).abs().max().item()}, "
-                                        f"{out.isnan().sum().item()} NaN)"), flush=True)
-    bad += check_stripe(ws)
+    bad += check_plain(ws, stripes=False)
+    bad += check_plain(ws, stripes=True)
     bad += check_w4(ws)
     bad += check_gemm(ws)
     print("all exact" if not bad else f"{bad} mismatches")
