@@ -4,7 +4,8 @@ the GEMV on tensor cores (dense, up to 8 rows; ``dense_xs`` its configs that kee
 shared memory] in kernels/_dense_mma_kernels.py, ``dense`` the others).
 
     python benchmarks/gemv_check.py [--ms 1 4] [--shapes 8192x8192 8192x28672 28672x8192] [--formats w4 w8 s24]
-                                    [--kinds tile stationary tma mma mma_stripe dense dense_xs] [--json F]
+                                    [--kinds tile stationary tma mma mma_stripe mma_fold dense dense_xs]
+                                    [--json F]
 
 For each shape (K x N), format (INT4 g128 with zero points, INT8, plain 2:4 by magnitude) and row count:
 checks each kernel against the reference, tunes each over its own candidates ([Note: kernel tuning] in
@@ -33,7 +34,8 @@ def _shape(text: str) -> tuple[int, int]:
     return int(k), int(n)
 
 
-NAN_CHECKED = ("mma", "mma_stripe", "dense", "dense_xs")  # kinds whose every config is checked, on NaN-filled memory
+NAN_CHECKED = ("mma", "mma_stripe", "mma_fold", "dense", "dense_xs")  # kinds whose every config is checked, on
+# NaN-filled memory
 
 
 def main() -> None:
@@ -42,7 +44,7 @@ def main() -> None:
     p.add_argument("--shapes", type=_shape, nargs="*", default=[(8192, 8192), (8192, 28672), (28672, 8192)])
     p.add_argument("--formats", nargs="*", default=["w4", "w8"], choices=["w4", "w8", "s24", "s24w4"])
     p.add_argument("--kinds", nargs="*", default=["tile", "stationary", "tma"],
-                   choices=["tile", "stationary", "tma", "mma", "mma_stripe", "dense", "dense_xs"])
+                   choices=["tile", "stationary", "tma", "mma", "mma_stripe", "mma_fold", "dense", "dense_xs"])
     p.add_argument("--json")
     args = p.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
@@ -95,7 +97,10 @@ def main() -> None:
                          "dense": [c for c in dense if not c.x_shared], "dense_xs": [c for c in dense if c.x_shared],
                          "mma_stripe": [c for c in _word.sparse_mma_stripe_candidates(m, n, k, x.device)
                                         if _sparse_mma.sparse_mma_stripe_fits(x, words, sp.meta, c.stripe)]
-                         if mma else []}  # [Note: 2:4 stripes]
+                         if mma else [],  # [Note: 2:4 stripes]
+                         "mma_fold": _word.sparse_mma_fold_candidates(m, n, k, x.device)
+                         if mma and _sparse_mma.sparse_mma_fold_fits(x, words, sp.meta)
+                         else []}  # [Note: 2:4 folded rows]
                 for kind, cands in kinds.items():
                     if not cands or kind not in args.kinds:
                         continue

@@ -1,7 +1,7 @@
 """The 2:4 GEMVs on sparse tensor cores, plain and with INT4 kept values, checked bit for bit on a GPU ([Note: 2:4
 GEMV on sparse tensor cores] in kernels/_sparse_mma_kernels.py).
 
-    python benchmarks/sparse_mma_check.py [--stripes]     (--stripes: plain 2:4 in stripes alone)
+    python benchmarks/sparse_mma_check.py [--stripes | --fold]   (plain 2:4 in stripes, or with folded rows, alone)
 
 Small integer weights and activations (exact in bf16, and every sum exact in fp32), odd row counts (rows past ``N``
 masked), ``K`` not a multiple of a slice (tiles past ``K`` masked), 1 to 8 rows of ``x``, one and several slices,
@@ -18,8 +18,8 @@ import torch
 
 from zspeed.compress.nm import compress_nm
 from zspeed.kernels import _word, sparse24_ref, sparse24_w4a16_ref
-from zspeed.kernels._sparse_mma import (run_sparse_gemm, run_sparse_gemm_w4, run_sparse_mma, run_sparse_mma_stripe,
-                                        run_sparse_mma_w4)
+from zspeed.kernels._sparse_mma import (run_sparse_gemm, run_sparse_gemm_w4, run_sparse_mma, run_sparse_mma_fold,
+                                        run_sparse_mma_stripe, run_sparse_mma_w4)
 
 CASES = ((16, 64, 1, 2), (16, 64, 8, 2), (64, 256, 3, 4), (200, 96, 5, 2), (1000, 512, 1, 4), (1000, 8192, 2, 8),
          (1024, 4096, 1, 16), (2048, 8192, 7, 16))  # (N, K, M, tiles per slice)
@@ -39,6 +39,12 @@ STRIPE_CASES = ((16, 128, 1, 4, 4), (16, 128, 8, 4, 2), (200, 384, 5, 8, 4), (10
                 (96, 448, 8, 8, 2), (100, 640, 6, 16, 4))
 # (N, K, M, tiles per slice, tiles a stripe) of plain 2:4 in stripes ([Note: 2:4 stripes]): slices with a partial
 # last one (384, 320, 448), one slice past K (640 = 20 tiles in slices of 16), rows past N
+
+FOLD_CASES = ((16, 128, 1, 4), (16, 128, 4, 4), (200, 384, 3, 8), (1000, 512, 2, 4), (1000, 8192, 1, 16),
+              (1024, 4096, 1, 32), (2048, 8192, 4, 16), (200, 320, 4, 4), (96, 448, 3, 8), (100, 640, 2, 16))
+# (N, K, M, tiles per slice) of plain 2:4 with folded rows ([Note: 2:4 folded rows]; 0-2 blocks ahead): 1-4 rows of
+# x, slices with a partial last one (384; 320 and 448 end in half a pair of MMAs), one slice past K (640 = 20 tiles
+# in slices of 16), rows past N
 
 
 def _pattern(n: int, k: int) -> torch.Tensor:
@@ -66,10 +72,12 @@ def _verdict(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, str]:
     return False, f"MISMATCH (max {(out - ref).abs().max().item()}, {out.isnan().sum().item()} NaN)"
 
 
-def check_plain(ws, *, stripes: bool) -> int:
-    """Plain 2:4, tile by tile (``CASES``) or in stripes (``STRIPE_CASES``, at most one block ahead), bit for bit."""
+def check_plain(ws, *, kind: str) -> int:
+    """Plain 2:4, tile by tile (``CASES``), in stripes (``STRIPE_CASES``) or with folded rows (``FOLD_CASES``; both at
+    most one block ahead), bit for bit."""
     bad = 0
-    for n, k, m, kt, *stripe in STRIPE_CASES if stripes else CASES:
+    stripes = kind == "stripes"
+    for n, k, m, kt, *stripe in {"tiles": CASES, "stripes": STRIPE_CASES, "fold": FOLD_CASES}[kind]:
         sp = compress_nm(_pattern(n, k))
         x = torch.randint(-3, 4, (m, k), device="cuda").to(torch.bfloat16)
         ref = sparse24_ref(x, sp.values, sp.meta).float()
@@ -80,12 +88,16 @@ def check_plain(ws, *, stripes: bool) -> int:
                 depth = min(depth, 1)  # at most one block ahead
                 out = run_sparse_mma_stripe(x, sp.values.view(torch.int32), sp.meta, stripe=stripe[0], depth=depth,
                                             **kw)
+            elif kind == "fold":
+                out = run_sparse_mma_fold(x, sp.values.view(torch.int32), sp.meta, depth=depth, **kw)
             else:
                 out = run_sparse_mma(x, sp.values.view(torch.int32), sp.meta, depth=depth, **kw)
             ok, verdict = _verdict(out.float(), ref)
             bad += not ok
-            print(("2:4 stripes of %d " % stripe[0] if stripes else "") + f"N={n} K={k} M={m} tiles/slice={kt} "
-                  f"warps={warps} row blocks={rb} ahead={depth}: {verdict}", flush=True)
+            name = {"tiles": "", "stripes": f"2:4 stripes of {stripe[0] if stripe else 0} ",
+                    "fold": "2:4 folded "}[kind]
+            print(f"{name}N={n} K={k} M={m} tiles/slice={kt} warps={warps} row blocks={rb} ahead={depth}: {verdict}",
+                  flush=True)
     return bad
 
 
@@ -156,12 +168,12 @@ def main() -> int:
     torch.manual_seed(0)
     bad = 0
     ws = _word._stationary_workspace(torch.device("cuda"))
-    if sys.argv[1:] == ["--stripes"]:  # plain 2:4 in stripes alone
-        bad = check_plain(ws, stripes=True)
+    if sys.argv[1:] in (["--stripes"], ["--fold"]):  # one kind of plain 2:4 alone
+        bad = check_plain(ws, kind=sys.argv[1][2:])
         print("all exact" if not bad else f"{bad} mismatches")
         return 1 if bad else 0
-    bad += check_plain(ws, stripes=False)
-    bad += check_plain(ws, stripes=True)
+    for kind in ("tiles", "stripes", "fold"):
+        bad += check_plain(ws, kind=kind)
     bad += check_w4(ws)
     bad += check_gemm(ws)
     print("all exact" if not bad else f"{bad} mismatches")

@@ -51,8 +51,9 @@ def sparse_mma_fits(x: torch.Tensor, words: torch.Tensor, meta: torch.Tensor | N
 
 
 def _setup(name: str, x: torch.Tensor, like: torch.Tensor, *, n: int, tiles_per_slice: int, row_blocks: int,
-           warps: int, workspace):
-    """``(tiles, split, run, out, partials, counters, fix_k)`` of a launch, its arguments checked first."""
+           warps: int, workspace, warp_rows: int = 16):
+    """``(tiles, split, run, out, partials, counters, fix_k)`` of a launch, its arguments checked first; a warp
+    takes ``warp_rows`` weight rows of a block."""
     m, k = x.shape
     tiles = k // TILE_K
     split = cdiv(tiles, tiles_per_slice)
@@ -63,7 +64,7 @@ def _setup(name: str, x: torch.Tensor, like: torch.Tensor, *, n: int, tiles_per_
                          f"{row_blocks}, {warps}")
     if split > 1 and workspace is None:
         raise ValueError(f"{name}: more than one slice of K needs the fix-up workspace (partials, counters)")
-    run = 16 * warps * row_blocks
+    run = warp_rows * warps * row_blocks
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     parts, counters = workspace if split > 1 else (out, like)
     return tiles, split, run, out, parts, counters, max(1, min(16, 4096 // run))
@@ -120,6 +121,45 @@ def run_sparse_mma_stripe(x: torch.Tensor, words: torch.Tensor, meta: torch.Tens
         x.view(torch.int32), lanes, meta32, parts, counters, out, m, n, tiles, split,
         x.stride(0) // 2, lanes.stride(0), meta32.stride(0), out.stride(0),
         KT=tiles_per_slice, STRIPE=stripe, ROW_BLOCKS=row_blocks, DEPTH=depth, EVEN_K=tiles % tiles_per_slice == 0,
+        PARTIAL=split > 1, FIX_K=fix_k, ASM=asm, ASM_IO=io, num_warps=warps)
+    return out
+
+
+FOLD_M = 4  # rows of x with folded rows: two of the MMA's 8 columns a row ([Note: 2:4 folded rows])
+
+
+def sparse_mma_fold_fits(x: torch.Tensor, words: torch.Tensor, meta: torch.Tensor | None) -> bool:
+    """:func:`sparse_mma_fits` with at most :data:`FOLD_M` rows of ``x``, ``K`` a multiple of 64 (one MMA), and the
+    values and positions aligned as the folded kernel reads them: a lane's 16 bytes of values an MMA, 8 bytes of
+    positions ([Note: 2:4 folded rows] in ``_sparse_mma_kernels``)."""
+    if not sparse_mma_fits(x, words, meta) or x.shape[0] > FOLD_M or x.shape[1] % (2 * TILE_K):
+        return False
+    return words.stride(0) % 4 == 0 and words.data_ptr() % 16 == 0 and meta.stride(0) % 8 == 0 \
+        and meta.data_ptr() % 8 == 0
+
+
+def run_sparse_mma_fold(x: torch.Tensor, words: torch.Tensor, meta: torch.Tensor, *, n: int, tiles_per_slice: int,
+                        row_blocks: int, warps: int, depth: int = 0,
+                        workspace: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """Plain 2:4 on sparse tensor cores with folded rows (:func:`sparse_mma_fold_fits`): operands as
+    :func:`run_sparse_mma`; ``tiles_per_slice`` counts 32-column tiles (a power of two from 4: whole pairs of MMAs of
+    64 columns), ``row_blocks`` blocks of ``8 * warps`` weight rows, ``depth`` 0, 1 or 2 blocks loaded ahead."""
+    if depth not in (0, 1, 2) or tiles_per_slice < 4:
+        raise ValueError(f"run_sparse_mma_fold: depth must be 0, 1 or 2 and tiles_per_slice at least 4 (a pair of "
+                         f"MMAs), got {depth}, {tiles_per_slice}")
+    m = x.shape[0]
+    if m > FOLD_M:
+        raise ValueError(f"run_sparse_mma_fold: at most {FOLD_M} rows of x, got {m}; use run_sparse_mma")
+    tiles, split, run, out, parts, counters, fix_k = _setup("run_sparse_mma_fold", x, words, n=n,
+                                                            tiles_per_slice=tiles_per_slice, row_blocks=row_blocks,
+                                                            warps=warps, workspace=workspace, warp_rows=8)
+    quads = words.view(torch.int64)  # a lane's quad of an MMA: two 64-bit halves
+    pos = meta.view(torch.int64)  # an MMA's 16 positions
+    asm, io = _kernels().s24_fold_asm()
+    _kernels().sparse_mma_fold_kernel[(cdiv(n, run), split)](
+        x.view(torch.int32), quads, pos, parts, counters, out, m, n, tiles // 2, split,
+        x.stride(0) // 2, quads.stride(0), pos.stride(0), out.stride(0),
+        KP=tiles_per_slice // 4, ROW_BLOCKS=row_blocks, DEPTH=depth, EVEN_K=tiles % tiles_per_slice == 0,
         PARTIAL=split > 1, FIX_K=fix_k, ASM=asm, ASM_IO=io, num_warps=warps)
     return out
 

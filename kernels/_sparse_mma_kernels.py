@@ -80,6 +80,39 @@ and 148 registers. The tuner times both kernels: in kernels runs 172-174 the str
 on 8192x8192 at 4-8 rows the tile-wise kernel stays ahead. ``benchmarks/sparse_mma_check.py --stripes`` checks it
 bit for bit.
 
+[Note: 2:4 folded rows] In both kernels above a lane's ``A`` quad of a tile holds two weight rows, ``g`` and ``g +
+8``, so it is assembled from two rows' loads: in the striped loop 64 of 296 instructions a block of 16 tiles are
+register moves (sm_90 SASS). ``sparse_mma_fold_kernel`` gives both halves of the MMA's ``M`` side to one weight row
+``r``: fragment row ``g`` holds ``r`` over one 32-column segment of ``K``, row ``g + 8`` the same ``r`` over the next,
+and column ``2i`` of ``B`` holds row ``i`` of ``x`` over the first segment, column ``2i + 1`` over the second. Then
+``D[g][2i] + D[g + 8][2i + 1]`` is row ``r`` times row ``i`` of ``x`` over 64 columns (lane ``4g + i``: ``d0 + d3``);
+the other products are thrown away, as the unused columns of ``B`` were already. An MMA now covers 8 weight rows by 64
+columns, the same weight bytes as before, and takes at most 4 rows of ``x`` (``_sparse_mma.FOLD_M``).
+
+- A lane's quad is 4 consecutive value words of row ``r``, ``4t .. 4t + 3`` of the MMA's 16, as (segment 1, block
+  ``t``), (segment 2, block ``t``), (segment 1, block ``t + 4``), (segment 2, block ``t + 4``): one 16-byte load whose
+  registers are the ``A`` operand as they land (no moves). So stored block ``4 (L % 4) + 2 (L // 4) + c`` of the MMA
+  is logical block ``L`` of segment ``c``, and ``B`` is loaded in that order.
+- Metadata: lanes ``4g``, ``4g + 1`` (selector 0) serve the even MMA of a pair, ``4g + 2``, ``4g + 3`` the odd one, so
+  each lane loads the 8 position bytes of its MMA (one 8-byte load). Its blocks are the stored nibbles ``4L + 2 (t % 2)
+  + c``: bytes ``2L + t % 2``, gathered by one byte permute, then the low nibbles (segment 1, row ``g``) packed into
+  the low half and the high nibbles (segment 2, row ``g + 8``) into the high half: two shifts, two LOP3, one permute,
+  shared by the pair's two MMAs (``s24_fold_asm``).
+- The pair's sum goes out in slot 0 of the asm's four; the others are ``-0.0`` and split off, not added (summed,
+  ptxas issued the additions of ``-0.0``).
+- ``x`` takes half the registers of the other layouts (4 a lane per 64 columns), so slices of 32 tiles with one block
+  ahead fit in 245 registers.
+
+A block of 8 MMAs (the weights of 8 tiles; no block ahead) takes 83 instructions in the loop, 17 of them scheduling
+no-ops around the MMAs, where the striped loop takes 148 for as many weights. Blocks loaded ahead are carried into the next
+iteration with register copies (4 an MMA): with a loop of two blocks an iteration in alternating registers, ptxas moved
+each load down to its MMAs and nothing stayed in flight ahead, so that was not kept. Measured (benchmarks/RESULTS.md,
+kernels runs 176-181; ``sparse24_matmul`` as users call it, bf16 in the same process): one row 1.50 / 1.68 / 1.69x of
+bf16 on the H100 (stripes: 1.46 / 1.62 / 1.60x), 1.50 / 1.61 / 1.60x on the H200 (1.37 / 1.60 / 1.52x); four rows
+1.44 / 1.61 / 1.62x on the H100 (1.32 / 1.51 / 1.43x), 1.39 / 1.53 / 1.52x on the H200 (1.14 / 1.37 / 1.24x). The tuner
+took 32 tiles a slice, 4 warps, one block ahead on every shape. ``benchmarks/sparse_mma_check.py --fold`` checks it
+bit for bit.
+
 Tiles past ``K`` and rows past ``N`` read zero values with a valid position pair (0, 1), since an invalid one is
 undefined behaviour for the instruction. Positions must be sorted and distinct within a block, as ``compress.nm``
 writes them (the x-stationary kernel assumes the same).
@@ -626,3 +659,132 @@ def sparse_mma_stripe_kernel(x_ptr, w_ptr, meta_ptr, part_ptr, count_ptr, out_pt
     if PARTIAL:
         finish_run(part_ptr, count_ptr, out_ptr, pid_r, row0, 0, M, N, SPLIT, stride_om, ROWS * ROW_BLOCKS, FIX_K,
                    num_warps)
+
+
+@functools.cache
+def s24_fold_asm() -> tuple[str, str]:
+    """Plain 2:4 with folded rows ([Note: 2:4 folded rows]): the inline asm of one pair of MMAs and its constraints,
+    for ``pack=4``. Operands in order, four each (slot ``u`` of the pair: MMA ``u // 2``, words ``2 (u % 2)`` and
+    ``2 (u % 2) + 1`` of the lane's quad): the lane's value words (64 bits), the four ``B`` registers (read at slots 0
+    and 2), the lane's 8 position bytes of its MMA (``t // 2``; read at slot 0) and its byte selector ``0x6420 +
+    0x1111 (t % 2)`` (slot 0). Out: slot 0 the pair's sum of weight row ``g`` times row ``t`` of ``x``, the other
+    slots ``-0.0`` (the caller splits them off)."""
+    lines = ["{", ".reg .b32 a<4>, c<4>, e, u, v, lo, hi, m, p0, p1;", ".reg .f32 d<4>, z;", "mov.f32 z, 0f00000000;",
+             # the metadata register: bytes 2L + t % 2 of the MMA's positions, then their low nibbles (row g: the
+             # first segment) in the low half and their high nibbles (row g + 8: the second) in the high half
+             "mov.b64 {p0, p1}, $24;", "prmt.b32 e, p0, p1, $28;", "shr.b32 u, e, 4;", "shr.b32 v, e, 8;",
+             "lop3.b32 lo, e, u, 0x0F0F0F0F, 0xE4;", "lop3.b32 hi, u, v, 0x0F0F0F0F, 0xE4;",
+             "prmt.b32 m, lo, hi, 0x6420;",
+             "mov.b64 {a0, a1}, $4;", "mov.b64 {a2, a3}, $5;", "mov.b64 {c0, c1}, $6;", "mov.b64 {c2, c3}, $7;",
+             f"{_MMA} {{d0, d1, d2, d3}}, {{a0, a1, a2, a3}}, {{$8, $12, $16, $20}}, {{z, z, z, z}}, m, 0x0;",
+             f"{_MMA} {{d0, d1, d2, d3}}, {{c0, c1, c2, c3}}, {{$10, $14, $18, $22}}, {{d0, d1, d2, d3}}, m, 0x1;",
+             "add.f32 $0, d0, d3;", "mov.f32 $1, 0f80000000;", "mov.f32 $2, 0f80000000;", "mov.f32 $3, 0f80000000;",
+             "}"]
+    return "\n".join(lines), ",".join(["=f"] * 4 + ["l"] * 4 + ["r"] * 16 + ["l"] * 4 + ["r"] * 4)
+
+
+@gluon.jit
+def _fold_block(w_ptr, meta_ptr, rows, w_row, a_col, m_row, m_col, N, stride_wn, stride_mn):
+    """A block's operands with folded rows ([Note: 2:4 folded rows]): the lane's value quads (two 64-bit halves an
+    MMA) and the 8 position bytes of its MMA of each pair. Unmasked: rows from ``N`` on read row ``N - 1``; the caller
+    clamps the MMAs past ``K``."""
+    v = gl.load((w_ptr + gl.minimum(rows + w_row, N - 1) * stride_wn + a_col[0]) + a_col[1])
+    return v, gl.load((meta_ptr + gl.minimum(rows + m_row, N - 1) * stride_mn + m_col[0]) + m_col[1])
+
+
+@gluon.jit
+def sparse_mma_fold_kernel(x_ptr, w_ptr, meta_ptr, part_ptr, count_ptr, out_ptr, M, N, MMAS, SPLIT,
+                           stride_xm, stride_wn, stride_mn, stride_om, KP: gl.constexpr, ROW_BLOCKS: gl.constexpr,
+                           DEPTH: gl.constexpr, EVEN_K: gl.constexpr, PARTIAL: gl.constexpr, FIX_K: gl.constexpr,
+                           ASM: gl.constexpr, ASM_IO: gl.constexpr, num_warps: gl.constexpr):
+    """Plain 2:4 with folded rows: ``out[M, N] = x @ densify(values, meta)^T`` for ``M <= 4`` ([Note: 2:4 folded
+    rows]).
+
+    ``x_ptr``: ``x`` (M, K) bf16 read as int32 pairs; ``w_ptr``: the kept values (N, K / 2) bf16 read as int64 (N, K /
+    8); ``meta_ptr``: the positions (N, K / 8) uint8 read as int64 (N, K / 64), one an MMA. ``MMAS = K / 64``. Grid
+    ``(runs, SPLIT)``: a program owns ``KP`` pairs of MMAs (128 columns each) of ``K`` and a run of ``ROW_BLOCKS``
+    blocks of ``8 * num_warps`` weight rows, warp ``w`` taking rows ``8w .. 8w + 7`` of each; ``DEPTH`` (0, 1 or 2)
+    blocks loaded ahead; ``ASM`` / ``ASM_IO``: ``s24_fold_asm()``."""
+    L4: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, KP, 4], threads_per_warp=[1, 32, 1, 1],
+                                        warps_per_cta=[num_warps, 1, 1, 1], order=[3, 2, 1, 0])
+    M3: gl.constexpr = gl.SliceLayout(3, L4)  # one value a pair: the position bytes
+    O2: gl.constexpr = gl.SliceLayout(2, M3)  # one value a lane: its sum
+    ROWS: gl.constexpr = 8 * num_warps
+
+    pid_k = gl.program_id(1)
+    u = _along4(4, 3, L4)  # slot u of a pair: MMA u // 2, half u % 2 of the lane's quad
+    mma = pid_k * (2 * KP) + 2 * _along4(KP, 2, L4) + u // 2
+    lane = _along4(32, 1, L4)
+    g = lane // 4
+    t = lane % 4
+    # B: column g of the MMA is row g // 2 of x over segment g % 2; register i holds logical block L = t // 2 + 2i,
+    # stored block 4 (L % 4) + 2 (L // 4) + g % 2 of the MMA; slots 1 and 3 are not read (zero, no load)
+    xrow = x_ptr + (g // 2) * stride_xm + mma * 32 + 2 * (g % 2) + t % 2
+    xmask = (g // 2 < M) & (mma < MMAS) & (u % 2 == 0)
+    t2 = t // 2
+    b0 = gl.load(xrow + 8 * t2, mask=xmask, other=0)
+    b1 = gl.load(xrow + 8 * (t2 + 2), mask=xmask, other=0)
+    b2 = gl.load(xrow + 8 * t2 + 4, mask=xmask, other=0)
+    b3 = gl.load(xrow + 8 * (t2 + 2) + 4, mask=xmask, other=0)
+    sel = gl.zeros_like(b0) + (0x6420 + 0x1111 * (t % 2))
+    w_row = 8 * _along4(num_warps, 0, L4) + g
+    lane3 = _along3(32, 1, M3)
+    m_row = 8 * _along3(num_warps, 0, M3) + lane3 // 4
+    # the lane's quad of its MMA: words 4t .. 4t + 3, as two 64-bit halves; the position bytes of MMA t // 2 of each
+    # pair. Each as (a lane's base, a constant offset an element), added to the row's pointer in that order so
+    # that the offsets become the loads' immediates
+    if EVEN_K:
+        a_col = (pid_k * (16 * KP) + 2 * t, 8 * (mma - pid_k * (2 * KP)) + u % 2)
+        m_col = (pid_k * (2 * KP) + (lane3 % 4) // 2, 2 * _along3(KP, 2, M3))
+    else:  # MMAs past K read the last one (x is zero there)
+        a_col = (2 * t, 8 * gl.minimum(mma, MMAS - 1) + u % 2)
+        m_col = (0 * lane3, gl.minimum(pid_k * (2 * KP) + 2 * _along3(KP, 2, M3) + (lane3 % 4) // 2, MMAS - 1))
+
+    o_row = 8 * gl.arange(0, num_warps, layout=gl.SliceLayout(1, O2))[:, None] \
+        + gl.arange(0, 32, layout=gl.SliceLayout(0, O2))[None, :] // 4
+    o_m = gl.arange(0, 32, layout=gl.SliceLayout(0, O2))[None, :] % 4 + 0 * o_row
+    pid_r = gl.program_id(0)
+    row0 = pid_r * (ROWS * ROW_BLOCKS)
+    if DEPTH > 0:
+        nxt = _fold_block(w_ptr, meta_ptr, row0, w_row, a_col, m_row, m_col, N, stride_wn, stride_mn)
+        nxt2 = nxt
+        if DEPTH == 2:
+            nxt2 = _fold_block(w_ptr, meta_ptr, row0 + ROWS * (ROW_BLOCKS > 1), w_row, a_col, m_row, m_col, N,
+                               stride_wn, stride_mn)
+    # (the blocks ahead are carried from one iteration to the next, which costs register copies: with a loop of two
+    # blocks an iteration instead, alternating between two sets of registers, ptxas moved each load down to its
+    # MMAs, which left nothing in flight ahead)
+    for blk in range(ROW_BLOCKS):
+        rows = row0 + blk * ROWS
+        if DEPTH == 2:  # loaded two blocks ago; the block two ahead goes in flight now
+            ops = nxt
+            nxt = nxt2
+            if blk + 2 < ROW_BLOCKS:
+                nxt2 = _fold_block(w_ptr, meta_ptr, rows + 2 * ROWS, w_row, a_col, m_row, m_col, N, stride_wn,
+                                   stride_mn)
+        elif DEPTH == 1:  # loaded during the last block; the next block goes in flight now
+            ops = nxt
+            if blk + 1 < ROW_BLOCKS:
+                nxt = _fold_block(w_ptr, meta_ptr, rows + ROWS, w_row, a_col, m_row, m_col, N, stride_wn, stride_mn)
+        else:  # no prefetch: the block is loaded where it is used (other warps hide the wait)
+            ops = _fold_block(w_ptr, meta_ptr, rows, w_row, a_col, m_row, m_col, N, stride_wn, stride_mn)
+        _fold_sums(ops, b0, b1, b2, b3, sel, rows + o_row, o_m, out_ptr, part_ptr, M, N, SPLIT, pid_k, stride_om,
+                   ASM, ASM_IO, KP, PARTIAL, num_warps, O2)
+    if PARTIAL:
+        finish_run(part_ptr, count_ptr, out_ptr, pid_r, row0, 0, M, N, SPLIT, stride_om, ROWS * ROW_BLOCKS, FIX_K,
+                   num_warps)
+
+
+@gluon.jit
+def _fold_sums(ops, b0, b1, b2, b3, sel, row, o_m, out_ptr, part_ptr, M, N, SPLIT, pid_k, stride_om,
+               ASM: gl.constexpr, ASM_IO: gl.constexpr, KP: gl.constexpr, PARTIAL: gl.constexpr,
+               num_warps: gl.constexpr, O2: gl.constexpr):
+    """A block's MMAs with folded rows (``ops``: its values and positions from ``_fold_block``) and the store of its
+    sums, lane ``4g + t`` weight row ``row`` times row ``o_m = t`` of ``x``."""
+    v, pos = ops
+    pos4 = gl.broadcast(gl.expand_dims(pos, 3), v)[0]
+    d = gl.inline_asm_elementwise(ASM, ASM_IO, [v, b0, b1, b2, b3, pos4, sel], dtype=gl.float32, is_pure=True, pack=4)
+    # slot 0 of each pair holds its sum (the others -0.0, not added): split off, then the pairs added
+    d = gl.split(gl.reshape(d, [num_warps, 32, KP, 2, 2]))[0]
+    acc = gl.convert_layout(gl.sum(gl.split(d)[0], axis=2), O2)  # the same registers, renamed
+    _store_sums(acc, out_ptr, part_ptr, row, o_m, (o_m < M) & (row < N), N, SPLIT, pid_k, stride_om, PARTIAL)

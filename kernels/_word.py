@@ -128,6 +128,8 @@ class WordConfig:
     # memory] in _dense_mma_kernels)
     stripe: int = 0  # sparse_mma, plain 2:4: > 0 picks the kernel that reads the values in stripes of that many
     # tiles (2 or 4), unmasked ([Note: 2:4 stripes] in _sparse_mma_kernels); prefetch 0 or 1
+    fold: bool = False  # sparse_mma, plain 2:4, 1-4 rows of x: the kernel with folded rows ([Note: 2:4 folded rows]
+    # in _sparse_mma_kernels); block_n = 8 x warps weight rows a block, prefetch 0 or 1
 
 
 @functools.cache
@@ -649,24 +651,25 @@ SPARSE_MMA_RUNS = (1, 2, 4, 8, 16)  # row blocks per program
 SPARSE_MMA_W4_TILES = ((16, 4, 0), (8, 4, 0), (16, 8, 0), (8, 8, 0), (16, 4, 1), (8, 4, 1), (8, 8, 1), (4, 8, 1))
 
 
-def sparse_mma_candidates(m: int, n: int, k: int, device: torch.device,
-                          tiles_table: tuple = SPARSE_MMA_TILES) -> list[WordConfig]:
+def sparse_mma_candidates(m: int, n: int, k: int, device: torch.device, tiles_table: tuple = SPARSE_MMA_TILES, *,
+                          warp_rows: int = 16, min_tiles: int = 2, fold: bool = False) -> list[WordConfig]:
     """Configs of the 2:4 GEMV on sparse tensor cores (the caller checks ``_sparse_mma.sparse_mma_fits``): each
-    slice depth, warp count and prefetch depth of ``tiles_table`` with every run of row blocks that still gives a wave
-    of programs; slices whose partials do not fit the workspace are left out."""
+    slice depth, warp count and prefetch depth of ``tiles_table`` with every run of row blocks (of ``warp_rows x
+    warps`` rows) that still gives a wave of programs; slices whose partials do not fit the workspace are left out."""
     tiles = k // 32
     sms = _sm_count(device.index or 0)
     out = []
     for kt, warps, depth in tiles_table:
-        kt = min(kt, max(2, 1 << (tiles - 1).bit_length()))  # a short K: one slice of all its tiles (a power of
-        # two of them: the kernels' layouts hold a power of two of pairs, or of stripes; the rest are masked)
+        kt = min(kt, max(min_tiles, 1 << (tiles - 1).bit_length()))  # a short K: one slice of all its tiles (a
+        # power of two of them: the kernels' layouts hold a power of two of pairs, or of stripes; the rest are masked)
         split = cdiv(tiles, kt)
         if split > 1 and m * split * n > STATIONARY_WORKSPACE:
             continue
-        runs = [rb for rb in SPARSE_MMA_RUNS if split * cdiv(n, 16 * warps * rb) >= sms
-                and cdiv(n, 16 * warps * rb) <= WORKSPACE_COUNTERS] or [1]
-        out += [c for c in (WordConfig(1, 16 * warps, 8 * kt, split, warps, prefetch=depth, row_blocks=rb,
-                                       sparse_mma=True) for rb in runs) if c not in out]
+        rows = warp_rows * warps
+        runs = [rb for rb in SPARSE_MMA_RUNS if split * cdiv(n, rows * rb) >= sms
+                and cdiv(n, rows * rb) <= WORKSPACE_COUNTERS] or [1]
+        out += [c for c in (WordConfig(1, rows, 8 * kt, split, warps, prefetch=depth, row_blocks=rb, sparse_mma=True,
+                                       fold=fold) for rb in runs) if c not in out]
     return out
 
 
@@ -687,6 +690,21 @@ def sparse_mma_stripe_candidates(m: int, n: int, k: int, device: torch.device) -
             if (c.block_w // 8) % stripe == 0 and c not in out:
                 out.append(c)
     return out
+
+
+# plain 2:4 with folded rows (tiles per slice, warps, blocks loaded ahead: 0-2): an MMA's values are one 16-byte
+# load, its A operand as loaded ([Note: 2:4 folded rows] in _sparse_mma_kernels); the fastest of a sweep of 0-2 blocks
+# ahead, 8-64 tiles, 2-8 warps (kernels run 177, H200) (sm_90 SASS: 84-244 registers, none spilled; 32 tiles with
+# two blocks ahead, or 64 with one, spill)
+SPARSE_MMA_FOLD_TILES = ((32, 4, 1), (32, 2, 1), (16, 8, 0), (16, 8, 1), (16, 4, 2), (16, 2, 2), (16, 4, 1),
+                         (8, 4, 1))
+
+
+def sparse_mma_fold_candidates(m: int, n: int, k: int, device: torch.device) -> list[WordConfig]:
+    """Configs of plain 2:4 with folded rows (the caller checks ``_sparse_mma.sparse_mma_fold_fits``): as
+    :func:`sparse_mma_candidates` over ``SPARSE_MMA_FOLD_TILES``, with blocks of 8 weight rows a warp and slices of
+    whole pairs of MMAs (4 tiles)."""
+    return sparse_mma_candidates(m, n, k, device, SPARSE_MMA_FOLD_TILES, warp_rows=8, min_tiles=4, fold=True)
 
 
 def sparse_mma_w4_candidates(m: int, n: int, k: int, group: int, device: torch.device) -> list[WordConfig]:
@@ -817,6 +835,11 @@ def run_sparse_mma(x, words, meta, c: WordConfig, *, n: int, s=None, z=None, gro
     if s is not None:
         return run_sparse_mma_w4(x, words, meta, s, z, n=n, group=group, tiles_per_slice=c.block_w // 8,
                                  row_blocks=c.row_blocks, warps=c.warps, depth=c.prefetch, workspace=ws)
+    if c.fold:
+        from ._sparse_mma import run_sparse_mma_fold
+
+        return run_sparse_mma_fold(x, words, meta, n=n, tiles_per_slice=c.block_w // 8, row_blocks=c.row_blocks,
+                                   warps=c.warps, depth=c.prefetch, workspace=ws)
     if c.stripe:
         from ._sparse_mma import run_sparse_mma_stripe
 
@@ -929,13 +952,15 @@ def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
     if fmt == FMT_S24 and meta_words(meta) is None:
         stationary = []  # metadata the x-stationary kernel cannot read as int32 words
     if fmt == FMT_S24:
-        from ._sparse_mma import sparse_mma_fits, sparse_mma_stripe_fits
+        from ._sparse_mma import sparse_mma_fits, sparse_mma_fold_fits, sparse_mma_stripe_fits
 
         mma = sparse_mma_fits(x, words, meta) and sparse_mma_candidates(m, n, k, x.device)
         if mma:  # it beat the CUDA-core kernels at every shape and 1-8 rows (kernels runs 66-73): tune it alone,
             # with its striped variant (faster at one row, not always at 4-8: kernels run 172)
             mma += [c for c in sparse_mma_stripe_candidates(m, n, k, x.device)
                     if sparse_mma_stripe_fits(x, words, meta, c.stripe)]
+            if sparse_mma_fold_fits(x, words, meta):  # 1-4 rows: folded rows ([Note: 2:4 folded rows])
+                mma += sparse_mma_fold_candidates(m, n, k, x.device)
             return launch(_pick(key, mma, launch))
     if fmt == FMT_W4:
         from ._dense_mma import dense_mma_w4_fits

@@ -5,7 +5,8 @@ bad arguments are refused, and that they compile for sm_90 into what they exist 
 tile (and group of 8 rows of x), the two selectors of a shared metadata register, weight words read in 8-byte pairs
 (16-byte vectors in stripes), x read from shared memory in whole fragments, nothing spilled. Their values are checked
 on the GPU, bit for bit on integer data (``benchmarks/sparse_mma_check.py``) and against the reference at full size (``benchmarks/gemv_check.py
---formats s24 s24w4 --kinds mma mma_stripe``; benchmarks/RESULTS.md, kernels runs 66-69, 141-142 and 172-174)."""
+--formats s24 s24w4 --kinds mma mma_stripe mma_fold``; benchmarks/RESULTS.md, kernels runs 66-69, 141-142, 172-174
+and 176-181)."""
 from __future__ import annotations
 
 import re
@@ -86,6 +87,63 @@ def test_stripe_candidates_hold_whole_stripes_and_one_block_ahead_at_most(monkey
         assert not set(got) & set(plain) and all(c.stripe == 0 for c in plain)
 
 
+def test_folded_rows_fit_1_to_4_rows_whole_mmas_and_aligned_operands(monkeypatch):
+    """[Note: 2:4 folded rows]: what the tile-wise kernel takes, with at most 4 rows of x (two of the MMA's 8 columns
+    a row), K a multiple of 64 (one MMA) and the rows of values and positions aligned for a lane's 16-byte quad and an
+    MMA's 8 bytes of positions."""
+    monkeypatch.setattr(_sparse_mma, "sparse_mma_possible", lambda device: True)
+    words = torch.zeros(64, 64, dtype=torch.int32)
+    meta = torch.zeros(64, 32, dtype=torch.uint8)
+    for m in (1, 4):
+        assert _sparse_mma.sparse_mma_fold_fits(torch.zeros(m, 256, dtype=torch.bfloat16), words, meta)
+    x5 = torch.zeros(5, 256, dtype=torch.bfloat16)
+    assert _sparse_mma.sparse_mma_fits(x5, words, meta) and not _sparse_mma.sparse_mma_fold_fits(x5, words, meta)
+    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    x192, x224 = torch.zeros(1, 192, dtype=torch.bfloat16), torch.zeros(1, 224, dtype=torch.bfloat16)
+    assert _sparse_mma.sparse_mma_fold_fits(x192, words[:, :48], meta[:, :24])  # 3 MMAs
+    assert _sparse_mma.sparse_mma_fits(x224, words[:, :56], meta[:, :28])  # 7 tiles: half an MMA left over
+    assert not _sparse_mma.sparse_mma_fold_fits(x224, words[:, :56], meta[:, :28])
+    odd = torch.zeros(64, 66, dtype=torch.int32)[:, :64]  # rows 264 bytes apart: quads not 16-byte aligned
+    assert _sparse_mma.sparse_mma_fits(x, odd, meta) and not _sparse_mma.sparse_mma_fold_fits(x, odd, meta)
+    shifted = torch.zeros(64, 36, dtype=torch.uint8)[:, 4:]  # positions 4 bytes in: not 8-byte loads
+    assert _sparse_mma.sparse_mma_fits(x, words, shifted) and not _sparse_mma.sparse_mma_fold_fits(x, words, shifted)
+    assert not _sparse_mma.sparse_mma_fold_fits(x, words, None)
+
+
+def test_folded_row_candidates_take_blocks_of_8_rows_a_warp_and_whole_pairs_of_mmas(monkeypatch):
+    monkeypatch.setattr(_word, "_sm_count", lambda index: 132)
+    gpu = torch.device("cuda", 0)
+    for m, n, k in ((1, 8192, 8192), (4, 28672, 8192), (1, 8192, 28672), (1, 100, 384), (2, 64, 128)):
+        got = _word.sparse_mma_fold_candidates(m, n, k, gpu)
+        assert got and all(c.sparse_mma and c.fold and not c.stripe for c in got)
+        for c in got:
+            tiles = c.block_w // 8
+            assert tiles >= 4 and tiles & (tiles - 1) == 0 and c.block_n == 8 * c.warps and c.prefetch in (0, 1, 2)
+            assert c.split_k == -(-(k // 32) // tiles)
+            assert c.split_k == 1 or m * c.split_k * n <= _word.STATIONARY_WORKSPACE
+        assert not set(got) & set(_word.sparse_mma_candidates(m, n, k, gpu) + _word.sparse_mma_stripe_candidates(
+            m, n, k, gpu))
+    # a wave of programs where the shape allows one; the sweep's pick (32 tiles, 4 warps, one block ahead) offered
+    big = _word.sparse_mma_fold_candidates(1, 8192, 8192, gpu)
+    assert all(c.split_k * -(-8192 // (c.block_n * c.row_blocks)) >= 132 for c in big)
+    assert any(c.block_w == 256 and c.warps == 4 and c.prefetch == 1 for c in big)
+
+
+def test_folded_rows_refuse_bad_arguments():
+    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    words, meta = torch.zeros(64, 64, dtype=torch.int32), torch.zeros(64, 32, dtype=torch.uint8)
+    kw = dict(n=64, row_blocks=1, warps=4, workspace=None)
+    with pytest.raises(ValueError, match="depth must be 0, 1 or 2"):
+        _sparse_mma.run_sparse_mma_fold(x, words, meta, tiles_per_slice=8, depth=3, **kw)
+    with pytest.raises(ValueError, match="at least 4"):
+        _sparse_mma.run_sparse_mma_fold(x, words, meta, tiles_per_slice=2, **kw)
+    with pytest.raises(ValueError, match="at most 4 rows of x"):
+        _sparse_mma.run_sparse_mma_fold(torch.zeros(5, 256, dtype=torch.bfloat16), words, meta, tiles_per_slice=8,
+                                        **kw)
+    with pytest.raises(ValueError, match="power of two"):
+        _sparse_mma.run_sparse_mma_fold(x, words, meta, tiles_per_slice=12, **kw)
+
+
 def test_fits_2_4_int4_with_groups_of_64_columns_and_int16_metadata(monkeypatch):
     x = torch.zeros(4, 256, dtype=torch.bfloat16)
     codes = torch.zeros(64, 16, dtype=torch.int32)  # (N, K / 4) bytes as int32 words
@@ -156,8 +214,12 @@ def test_gemv_tunes_plain_2_4_on_sparse_tensor_cores_alone_and_2_4_int4_beside_t
     with pytest.raises(Picked):
         _word.run_gemv(x, words, values, None, m, fmt=_word.FMT_S24, group=1, n=64, k=256)
     assert offered[-1] and all(c.sparse_mma for c in offered[-1])
-    # both layouts: the striped kernel won at one row, the tile-wise one at 4-8 rows on 8192x8192 (kernels run 172)
-    assert {c.stripe for c in offered[-1]} == {0, 2, 4}
+    # every layout: folded rows won at 1-4 rows (kernels runs 176-178), the tile-wise kernel at 8 rows on 8192x8192
+    assert {c.stripe for c in offered[-1]} == {0, 2, 4} and {c.fold for c in offered[-1]} == {False, True}
+    x5 = torch.zeros(5, 256, dtype=torch.bfloat16)  # folded rows take at most 4 rows of x
+    with pytest.raises(Picked):
+        _word.run_gemv(x5, words, values, None, m, fmt=_word.FMT_S24, group=1, n=64, k=256)
+    assert offered[-1] and not any(c.fold for c in offered[-1])
     codes = torch.zeros(64, 64, dtype=torch.uint8)
     words, m = _word.word_view(_word.FMT_S24W4, codes, meta, 256)
     scales = torch.ones(64, 2, dtype=torch.bfloat16)
@@ -340,6 +402,25 @@ def test_stripes_compile_for_hopper_to_one_sparse_mma_per_tile_and_vector_loads(
     assert ops.count("LDG.E") == 4 * kt
     # fewer registers than the tile-wise kernel's 240 at 16 tiles: three programs of 4 warps an SM instead of two
     assert got["regs"] <= 168
+
+
+@pytest.mark.parametrize("kt,warps,depth,even", [(32, 4, 1, True), (16, 8, 0, False), (16, 4, 2, True)])
+def test_folded_rows_compile_for_hopper_to_mmas_on_their_loads(tmp_path, kt, warps, depth, even):
+    """[Note: 2:4 folded rows]: one ``mma.sp`` per 64 columns, the selectors of a pair sharing a metadata register;
+    an MMA's values one 16-byte load, its positions one 8-byte load, for each block loaded (the ones ahead before the
+    loop); x in 4-byte loads once, 4 an MMA; the pair's unused sums (-0.0) never added; nothing spilled. With no block
+    ahead each MMA's ``A`` operand is the register quad its load wrote (blocks carried ahead are copied between
+    iterations)."""
+    got = _compiled(tmp_path, "sparse_mma_fold_kernel", KP=kt // 4, DEPTH=depth, EVEN_K=even, num_warps=warps)
+    _one_sparse_mma_per_tile(got, kt // 2)
+    ops = [op for op, _ in got["ops"]]
+    assert ops.count("LDG.E.128") == kt // 2 * (depth + 1) and ops.count("LDG.E.64") == kt // 4 * (depth + 1)
+    assert ops.count("LDG.E") == 4 * (kt // 2)
+    loaded = {rest.split(",")[0].strip() for op, rest in got["ops"] if op == "LDG.E.128"}
+    a_operands = {rest.split(",")[1].strip() for op, rest in got["ops"] if op.startswith("HMMA.SP")}
+    if depth == 0:  # (the (16, 8, 0) case)
+        assert a_operands <= loaded
+    assert not any(op == "FADD" and "-RZ" in rest for op, rest in got["ops"])
 
 
 @pytest.mark.parametrize("w4,kt,groups,warps,depth,blocks", [(False, 4, 8, 4, 1, 1), (False, 8, 4, 4, 1, 1),
