@@ -100,6 +100,8 @@ def main() -> None:
                          if mma else [],  # [Note: 2:4 stripes]
                          "mma_fold": _word.sparse_mma_fold_candidates(m, n, k, x.device)
                          if mma and _sparse_mma.sparse_mma_fold_fits(x, words, sp.meta)
+                         else _word.sparse_mma_w4_fold_candidates(m, n, k, x.device)
+                         if mma_w4 and _sparse_mma.sparse_mma_w4_fold_fits(x, words, meta, s, z, group=group)
                          else []}  # [Note: 2:4 folded rows]
                 for kind, cands in kinds.items():
                     if not cands or kind not in args.kinds:

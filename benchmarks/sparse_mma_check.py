@@ -1,7 +1,8 @@
 """The 2:4 GEMVs on sparse tensor cores, plain and with INT4 kept values, checked bit for bit on a GPU ([Note: 2:4
 GEMV on sparse tensor cores] in kernels/_sparse_mma_kernels.py).
 
-    python benchmarks/sparse_mma_check.py [--stripes | --fold]   (plain 2:4 in stripes, or with folded rows, alone)
+    python benchmarks/sparse_mma_check.py [--stripes | --fold | --w4-fold]
+        (plain 2:4 in stripes, or with folded rows, or 2:4 + INT4 with folded rows, alone)
 
 Small integer weights and activations (exact in bf16, and every sum exact in fp32), odd row counts (rows past ``N``
 masked), ``K`` not a multiple of a slice (tiles past ``K`` masked), 1 to 8 rows of ``x``, one and several slices,
@@ -19,7 +20,7 @@ import torch
 from zspeed.compress.nm import compress_nm
 from zspeed.kernels import _word, sparse24_ref, sparse24_w4a16_ref
 from zspeed.kernels._sparse_mma import (run_sparse_gemm, run_sparse_gemm_w4, run_sparse_mma, run_sparse_mma_fold,
-                                        run_sparse_mma_stripe, run_sparse_mma_w4)
+                                        run_sparse_mma_stripe, run_sparse_mma_w4, run_sparse_mma_w4_fold)
 
 CASES = ((16, 64, 1, 2), (16, 64, 8, 2), (64, 256, 3, 4), (200, 96, 5, 2), (1000, 512, 1, 4), (1000, 8192, 2, 8),
          (1024, 4096, 1, 16), (2048, 8192, 7, 16))  # (N, K, M, tiles per slice)
@@ -32,6 +33,12 @@ W4_CASES = ((16, 128, 1, 4, 128, True), (64, 512, 8, 4, 128, False), (200, 384, 
             (200, 320, 4, 2, 64, True), (96, 448, 8, 4, 64, False), (1000, 8192, 1, 16, 64, True))
 # (N, K, M, tiles per slice, group of original columns, zero points): stripes of 4 tiles for groups of 128 and
 # 256 columns, of 2 for 64 ([Note: INT4 stripes]); slices with a partial last one
+
+W4_FOLD_CASES = ((16, 128, 1, 4, 128, True), (64, 512, 4, 8, 128, False), (200, 384, 3, 8, 128, True),
+                 (1000, 1024, 2, 8, 256, True), (1024, 8192, 1, 32, 128, True), (2048, 8192, 4, 16, 128, False),
+                 (200, 640, 4, 16, 128, True), (96, 1152, 3, 32, 128, True), (100, 768, 1, 4, 256, False))
+# (N, K, M, tiles per slice, group, zero points) of 2:4 + INT4 with folded rows ([Note: 2:4 folded rows]): 1-4 rows of
+# x, pairs of MMAs of 128 columns, partial last slices (384, 640), one slice past K (1152 = 9 pairs in slices of 8)
 
 
 STRIPE_CASES = ((16, 128, 1, 4, 4), (16, 128, 8, 4, 2), (200, 384, 5, 8, 4), (1000, 512, 3, 4, 2),
@@ -101,19 +108,21 @@ def check_plain(ws, *, kind: str) -> int:
     return bad
 
 
-def check_w4(ws) -> int:
+def check_w4(ws, *, fold: bool = False) -> int:
+    """2:4 + INT4 (``W4_CASES``), or with folded rows (``W4_FOLD_CASES``), bit for bit."""
     bad = 0
-    for n, k, m, kt, group, zeros in W4_CASES:
+    run = run_sparse_mma_w4_fold if fold else run_sparse_mma_w4
+    for n, k, m, kt, group, zeros in W4_FOLD_CASES if fold else W4_CASES:
         x, codes, meta, scales, z, ref = _w4_case(n, k, m, group, zeros)
         for warps, rb, depth in CONFIGS:
-            depth = min(depth, 1)  # the 2:4 + INT4 GEMV loads at most one block ahead
+            depth = min(depth, 1)  # the 2:4 + INT4 GEMVs load at most one block ahead
             torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)  # freed: the output lands on it
-            out = run_sparse_mma_w4(x, codes.view(torch.int32), meta.view(torch.int16), scales, z, n=n, group=group,
-                                    tiles_per_slice=kt, row_blocks=rb, warps=warps, depth=depth, workspace=ws).float()
+            out = run(x, codes.view(torch.int32), meta.view(torch.int16), scales, z, n=n, group=group,
+                      tiles_per_slice=kt, row_blocks=rb, warps=warps, depth=depth, workspace=ws).float()
             ok, verdict = _verdict(out, ref)
             bad += not ok
-            print(f"2:4+INT4 g{group} zeros={zeros} N={n} K={k} M={m} tiles/slice={kt} warps={warps} row blocks={rb} "
-                  f"ahead={depth}: {verdict}", flush=True)
+            print(f"2:4+INT4{' folded' if fold else ''} g{group} zeros={zeros} N={n} K={k} M={m} tiles/slice={kt} "
+                  f"warps={warps} row blocks={rb} ahead={depth}: {verdict}", flush=True)
     return bad
 
 
@@ -168,13 +177,14 @@ def main() -> int:
     torch.manual_seed(0)
     bad = 0
     ws = _word._stationary_workspace(torch.device("cuda"))
-    if sys.argv[1:] in (["--stripes"], ["--fold"]):  # one kind of plain 2:4 alone
-        bad = check_plain(ws, kind=sys.argv[1][2:])
+    if sys.argv[1:] in (["--stripes"], ["--fold"], ["--w4-fold"]):  # one kind alone
+        bad = check_w4(ws, fold=True) if sys.argv[1] == "--w4-fold" else check_plain(ws, kind=sys.argv[1][2:])
         print("all exact" if not bad else f"{bad} mismatches")
         return 1 if bad else 0
     for kind in ("tiles", "stripes", "fold"):
         bad += check_plain(ws, kind=kind)
     bad += check_w4(ws)
+    bad += check_w4(ws, fold=True)
     bad += check_gemm(ws)
     print("all exact" if not bad else f"{bad} mismatches")
     return 1 if bad else 0

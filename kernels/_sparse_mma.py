@@ -221,6 +221,44 @@ def run_sparse_mma_w4(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, 
     return out
 
 
+def sparse_mma_w4_fold_fits(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor | None, s: torch.Tensor,
+                            z: torch.Tensor | None, *, group: int) -> bool:
+    """:func:`sparse_mma_w4_fits` with at most :data:`FOLD_M` rows of ``x``, groups of a multiple of 128 original
+    columns (a pair of MMAs lies in one) and ``K`` a multiple of 128, the codes of a row readable in 8-byte steps
+    ([Note: 2:4 folded rows] in ``_sparse_mma_kernels``)."""
+    return (sparse_mma_w4_fits(x, codes, meta, s, z, group=group) and x.shape[0] <= FOLD_M and group % 128 == 0
+            and x.shape[1] % 128 == 0 and (codes.stride(0) * 4) % 8 == 0)
+
+
+def run_sparse_mma_w4_fold(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, s: torch.Tensor,
+                           z: torch.Tensor | None, *, n: int, group: int, tiles_per_slice: int, row_blocks: int,
+                           warps: int, depth: int = 0,
+                           workspace: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """2:4 + INT4 with folded rows (:func:`sparse_mma_w4_fold_fits`): operands as :func:`run_sparse_mma_w4`;
+    ``tiles_per_slice`` counts 32-column tiles (a power of two from 4: whole pairs of MMAs, 128 columns),
+    ``row_blocks`` blocks of ``8 * warps`` weight rows, ``depth`` 0 or 1 blocks loaded ahead."""
+    if depth not in (0, 1) or tiles_per_slice < 4:
+        raise ValueError(f"run_sparse_mma_w4_fold: depth must be 0 or 1 and tiles_per_slice at least 4 (a pair of "
+                         f"MMAs), got {depth}, {tiles_per_slice}")
+    m = x.shape[0]
+    if m > FOLD_M or group % 128:
+        raise ValueError(f"run_sparse_mma_w4_fold: at most {FOLD_M} rows of x and groups of a multiple of 128 "
+                         f"columns, got {m} rows, groups of {group}; use run_sparse_mma_w4")
+    tiles, split, run, out, parts, counters, fix_k = _setup("run_sparse_mma_w4_fold", x, codes, n=n,
+                                                            tiles_per_slice=tiles_per_slice, row_blocks=row_blocks,
+                                                            warps=warps, workspace=workspace, warp_rows=8)
+    zz = z if z is not None else s
+    lanes = codes.view(torch.int64)  # a lane's 8 code bytes of a pair of MMAs
+    meta32 = meta.view(torch.int32)
+    asm, io = _kernels().w4_fold_asm()
+    _kernels().sparse_mma_w4_fold_kernel[(cdiv(n, run), split)](
+        x.view(torch.int32), lanes, meta32, s, zz, parts, counters, out, m, n, tiles // 4, split,
+        x.stride(0) // 2, lanes.stride(0), meta32.stride(0), s.stride(0), zz.stride(0), out.stride(0),
+        GROUP=group, HAS_ZEROS=z is not None, KP=tiles_per_slice // 4, ROW_BLOCKS=row_blocks, DEPTH=depth,
+        EVEN_K=tiles % tiles_per_slice == 0, PARTIAL=split > 1, FIX_K=fix_k, ASM=asm, ASM_IO=io, num_warps=warps)
+    return out
+
+
 MAX_GEMM_GROUPS = 8  # groups of 8 rows of x per program of the 2:4 GEMM ([Note: 2:4 GEMM on sparse tensor cores])
 
 

@@ -104,14 +104,25 @@ columns, the same weight bytes as before, and takes at most 4 rows of ``x`` (``_
   ahead fit in 245 registers.
 
 A block of 8 MMAs (the weights of 8 tiles; no block ahead) takes 83 instructions in the loop, 17 of them scheduling
-no-ops around the MMAs, where the striped loop takes 148 for as many weights. Blocks loaded ahead are carried into the next
-iteration with register copies (4 an MMA): with a loop of two blocks an iteration in alternating registers, ptxas moved
-each load down to its MMAs and nothing stayed in flight ahead, so that was not kept. Measured (benchmarks/RESULTS.md,
-kernels runs 176-181; ``sparse24_matmul`` as users call it, bf16 in the same process): one row 1.50 / 1.68 / 1.69x of
-bf16 on the H100 (stripes: 1.46 / 1.62 / 1.60x), 1.50 / 1.61 / 1.60x on the H200 (1.37 / 1.60 / 1.52x); four rows
-1.44 / 1.61 / 1.62x on the H100 (1.32 / 1.51 / 1.43x), 1.39 / 1.53 / 1.52x on the H200 (1.14 / 1.37 / 1.24x). The tuner
-took 32 tiles a slice, 4 warps, one block ahead on every shape. ``benchmarks/sparse_mma_check.py --fold`` checks it
-bit for bit.
+no-ops around the MMAs, where the striped loop takes 148 for as many weights. Blocks loaded ahead are carried into the
+next iteration with register copies (4 an MMA): with a loop of two blocks an iteration in alternating registers, ptxas
+moved each load down to its MMAs and nothing stayed in flight ahead, so that was not kept. Measured
+(benchmarks/RESULTS.md, kernels runs 176-181; ``sparse24_matmul`` as users call it, bf16 in the same process): one row
+1.50 / 1.68 / 1.69x of bf16 on the H100 (8192x8192: 1.48-1.51x across three runs; stripes: 1.46 / 1.62 / 1.60x), 1.50 /
+1.61 / 1.60x on the H200 (1.37 / 1.60 / 1.52x); four rows 1.44 / 1.61 / 1.62x on the H100 (1.32 / 1.51 / 1.43x), 1.39 /
+1.53 / 1.52x on the H200 (1.14 / 1.37 / 1.24x). The tuner took 32 tiles a slice, 4 warps, one block ahead on every
+shape. ``benchmarks/sparse_mma_check.py --fold`` checks it bit for bit.
+
+2:4 + INT4 folds the same way (``sparse_mma_w4_fold_kernel``, ``w4_fold_asm``), a pair of MMAs being 128 columns,
+so it takes groups of a multiple of 128 columns. Lane ``t`` reads stored blocks ``8t .. 8t + 7`` of a pair: one 8-byte
+load of codes, byte ``4m + j`` becoming ``A`` register ``j`` of MMA ``m`` (a byte permute, a LOP3 into ``0x4300``, one
+bf16 subtraction of ``128 + zero``, as in [Note: 2:4 + INT4 on sparse tensor cores]). So stored block ``8 (L % 4) + 4m
++ 2 (L // 4) + c`` is logical block ``L`` of segment ``c`` of MMA ``m``, and lane ``t``'s metadata nibbles lie in byte
+``t`` of each of the pair's 4 position words (one 16-byte load): three byte permutes gather them before the same
+unzip. One row a lane also means one zero point and one scale a pair. The loop takes 231 instructions where the
+striped one takes 275 for as many weights (sm_90 SASS, 8 MMAs, no block ahead). On an H100 (kernels run 182, each kind
+tuned alone) one row runs 2.96 / 3.11 / 2.98x of bf16 where the stripes ran 2.79 / 2.81 / 2.66x, four rows 2.73 /
+2.90 / 2.83x (2.52 / 2.55 / 2.37x). ``benchmarks/sparse_mma_check.py --w4-fold`` checks it bit for bit.
 
 Tiles past ``K`` and rows past ``N`` read zero values with a valid position pair (0, 1), since an invalid one is
 undefined behaviour for the instruction. Positions must be sorted and distinct within a block, as ``compress.nm``
@@ -684,6 +695,17 @@ def s24_fold_asm() -> tuple[str, str]:
 
 
 @gluon.jit
+def _fold_b(xrow, xmask, t, STEP: gl.constexpr):
+    """The four ``B`` registers with folded rows ([Note: 2:4 folded rows]): register ``i`` holds logical block ``L = t
+    // 2 + 2i``, the int32 pair at ``xrow + STEP (L % 4) + 4 (L // 4)`` (``STEP`` 8 for plain 2:4, 16 for 2:4 + INT4's
+    pairs of MMAs); zero where ``xmask`` is false."""
+    t2 = t // 2
+    return (gl.load(xrow + STEP * t2, mask=xmask, other=0), gl.load(xrow + STEP * (t2 + 2), mask=xmask, other=0),
+            gl.load(xrow + STEP * t2 + 4, mask=xmask, other=0),
+            gl.load(xrow + STEP * (t2 + 2) + 4, mask=xmask, other=0))
+
+
+@gluon.jit
 def _fold_block(w_ptr, meta_ptr, rows, w_row, a_col, m_row, m_col, N, stride_wn, stride_mn):
     """A block's operands with folded rows ([Note: 2:4 folded rows]): the lane's value quads (two 64-bit halves an
     MMA) and the 8 position bytes of its MMA of each pair. Unmasked: rows from ``N`` on read row ``N - 1``; the caller
@@ -719,13 +741,8 @@ def sparse_mma_fold_kernel(x_ptr, w_ptr, meta_ptr, part_ptr, count_ptr, out_ptr,
     t = lane % 4
     # B: column g of the MMA is row g // 2 of x over segment g % 2; register i holds logical block L = t // 2 + 2i,
     # stored block 4 (L % 4) + 2 (L // 4) + g % 2 of the MMA; slots 1 and 3 are not read (zero, no load)
-    xrow = x_ptr + (g // 2) * stride_xm + mma * 32 + 2 * (g % 2) + t % 2
-    xmask = (g // 2 < M) & (mma < MMAS) & (u % 2 == 0)
-    t2 = t // 2
-    b0 = gl.load(xrow + 8 * t2, mask=xmask, other=0)
-    b1 = gl.load(xrow + 8 * (t2 + 2), mask=xmask, other=0)
-    b2 = gl.load(xrow + 8 * t2 + 4, mask=xmask, other=0)
-    b3 = gl.load(xrow + 8 * (t2 + 2) + 4, mask=xmask, other=0)
+    b0, b1, b2, b3 = _fold_b(x_ptr + (g // 2) * stride_xm + mma * 32 + 2 * (g % 2) + t % 2,
+                             (g // 2 < M) & (mma < MMAS) & (u % 2 == 0), t, 8)
     sel = gl.zeros_like(b0) + (0x6420 + 0x1111 * (t % 2))
     w_row = 8 * _along4(num_warps, 0, L4) + g
     lane3 = _along3(32, 1, M3)
@@ -788,3 +805,124 @@ def _fold_sums(ops, b0, b1, b2, b3, sel, row, o_m, out_ptr, part_ptr, M, N, SPLI
     d = gl.split(gl.reshape(d, [num_warps, 32, KP, 2, 2]))[0]
     acc = gl.convert_layout(gl.sum(gl.split(d)[0], axis=2), O2)  # the same registers, renamed
     _store_sums(acc, out_ptr, part_ptr, row, o_m, (o_m < M) & (row < N), N, SPLIT, pid_k, stride_om, PARTIAL)
+
+
+@functools.cache
+def w4_fold_asm() -> tuple[str, str]:
+    """2:4 + INT4 with folded rows ([Note: 2:4 folded rows]): the inline asm of one pair of MMAs (128 columns, one
+    group) and its constraints, for ``pack=4``. Operands in order, four each: the lane's 8 code bytes of the pair
+    (64 bits; byte ``4m + j`` is the ``A`` register ``j`` of MMA ``m``; slot 0), the four ``B`` registers (read at
+    slots 0 and 2), the pair's 4 position words of the row (slot ``u``: word ``u``), ``-(128 + zero)`` in both bf16
+    halves (slot 0) and the lane's byte selector ``t + 16 (t + 4)`` (slot 0). Out: slot 0 the pair's sum of weight
+    row ``g`` times row ``t`` of ``x`` in units of the group's scale, the other slots ``-0.0``."""
+    lines = ["{", ".reg .b32 w<2>, ws<2>, y, one, a<4>, c<4>, e, u, v, lo, hi, m;", ".reg .f32 d<4>, z;",
+             "mov.b32 one, 0x3F803F80;", "mov.f32 z, 0f00000000;", "mov.b64 {w0, w1}, $4;",
+             "shr.b32 ws0, w0, 4;", "shr.b32 ws1, w1, 4;",  # each byte's high nibble in its low nibble
+             # the metadata register: byte t of each position word (MMA t // 2, blocks 4 (t % 2) .. of both
+             # segments), then the low nibbles (the first segment, row g) in the low half and the high nibbles
+             # (the second, row g + 8) in the high half
+             "prmt.b32 u, $24, $25, $32;", "prmt.b32 v, $26, $27, $32;", "prmt.b32 e, u, v, 0x5410;",
+             "shr.b32 u, e, 4;", "shr.b32 v, e, 8;", "lop3.b32 lo, e, u, 0x0F0F0F0F, 0xE4;",
+             "lop3.b32 hi, u, v, 0x0F0F0F0F, 0xE4;", "prmt.b32 m, lo, hi, 0x6420;"]
+    for mma, (regs, b, acc, sel) in enumerate((("a", (8, 12, 16, 20), "z, z, z, z", "0x0"),
+                                              ("c", (10, 14, 18, 22), "d0, d1, d2, d3", "0x1"))):
+        for j in range(4):  # byte j's codes at bits 0-3 and 16-19, into 0x4300, then code - zero (exact)
+            lines += [f"prmt.b32 y, w{mma}, ws{mma}, 0x{4 + j}{4 + j}{j}{j};",
+                      "lop3.b32 y, y, 0x000F000F, 0x43004300, 0xEA;", f"fma.rn.bf16x2 {regs}{j}, y, one, $28;"]
+        lines.append(f"{_MMA} {{d0, d1, d2, d3}}, {{{regs}0, {regs}1, {regs}2, {regs}3}}, "
+                     f"{{${b[0]}, ${b[1]}, ${b[2]}, ${b[3]}}}, {{{acc}}}, m, {sel};")
+    lines += ["add.f32 $0, d0, d3;", "mov.f32 $1, 0f80000000;", "mov.f32 $2, 0f80000000;", "mov.f32 $3, 0f80000000;",
+              "}"]
+    return "\n".join(lines), ",".join(["=f"] * 4 + ["l"] * 4 + ["r"] * 28)
+
+
+@gluon.jit
+def _w4_fold_block(w_ptr, meta_ptr, s_ptr, z_ptr, rows, w_row, a_col, m_col, g_col, N, stride_wn, stride_mn,
+                   stride_sn, stride_zn, HAS_ZEROS: gl.constexpr):
+    """A block's operands of 2:4 + INT4 with folded rows: a lane's 8 code bytes of each pair, the pair's position
+    words, the row's zero point (int32; 8 without) and scale (fp32) of the pair's group. Unmasked: rows from ``N`` on
+    read row ``N - 1``; the caller clamps the pairs past ``K``."""
+    r3 = gl.minimum(rows + w_row, N - 1)
+    if HAS_ZEROS:
+        z = gl.load(z_ptr + r3 * stride_zn + g_col).to(gl.int32)
+    else:
+        z = gl.zeros_like(g_col) + 8
+    r4 = gl.expand_dims(r3, 3)
+    return (gl.load(w_ptr + r3 * stride_wn + a_col), gl.load(meta_ptr + r4 * stride_mn + m_col), z,
+            gl.load(s_ptr + r3 * stride_sn + g_col).to(gl.float32))
+
+
+@gluon.jit
+def sparse_mma_w4_fold_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_ptr, M, N, PAIRS, SPLIT,
+                              stride_xm, stride_wn, stride_mn, stride_sn, stride_zn, stride_om, GROUP: gl.constexpr,
+                              HAS_ZEROS: gl.constexpr, KP: gl.constexpr, ROW_BLOCKS: gl.constexpr,
+                              DEPTH: gl.constexpr, EVEN_K: gl.constexpr, PARTIAL: gl.constexpr, FIX_K: gl.constexpr,
+                              ASM: gl.constexpr, ASM_IO: gl.constexpr, num_warps: gl.constexpr):
+    """2:4 + INT4 with folded rows: ``out[M, N] = x @ densify(dequant(codes), meta)^T`` for ``M <= 4`` ([Note: 2:4
+    folded rows], [Note: 2:4 + INT4 on sparse tensor cores]).
+
+    ``w_ptr``: the codes (N, K / 4) uint8 read as int64 (N, K / 32): lane ``t`` takes stored blocks ``8t .. 8t + 7``
+    of each pair of MMAs (128 columns), block ``8t + 4m + j`` being ``A`` register ``j`` of MMA ``m``; ``meta_ptr``:
+    the positions (N, K / 8) uint8 read as int32, 4 words a pair; ``s_ptr`` / ``z_ptr``: scales and zero points
+    (uint8; ``HAS_ZEROS`` false: 8) per (row, group of ``GROUP`` original columns, a multiple of 128). ``PAIRS = K /
+    128``; ``KP`` pairs a slice; ``ASM`` / ``ASM_IO``: ``w4_fold_asm()``; the rest as ``sparse_mma_fold_kernel``."""
+    L4: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, KP, 4], threads_per_warp=[1, 32, 1, 1],
+                                        warps_per_cta=[num_warps, 1, 1, 1], order=[3, 2, 1, 0])
+    M3: gl.constexpr = gl.SliceLayout(3, L4)  # one value a pair: codes, zero point, scale
+    O2: gl.constexpr = gl.SliceLayout(2, M3)  # one value a lane: its sum
+    ROWS: gl.constexpr = 8 * num_warps
+
+    pid_k = gl.program_id(1)
+    u = _along4(4, 3, L4)  # slot u of a pair: MMA u // 2 (B), position word u
+    pair = pid_k * KP + _along4(KP, 2, L4)
+    lane = _along4(32, 1, L4)
+    g = lane // 4
+    t = lane % 4
+    # B: column g of an MMA is row g // 2 of x over segment g % 2; register i holds logical block L = t // 2 + 2i,
+    # stored block 8 (L % 4) + 4m + 2 (L // 4) + g % 2 of the pair
+    b0, b1, b2, b3 = _fold_b(x_ptr + (g // 2) * stride_xm + pair * 64 + 8 * (u // 2) + 2 * (g % 2) + t % 2,
+                             (g // 2 < M) & (pair < PAIRS) & (u % 2 == 0), t, 16)
+    sel = gl.zeros_like(b0) + (t + 16 * (t + 4))
+
+    lane3 = _along3(32, 1, M3)
+    w_row = 8 * _along3(num_warps, 0, M3) + lane3 // 4
+    pair3 = pid_k * KP + _along3(KP, 2, M3)
+    if EVEN_K:
+        pc = pair
+    else:  # pairs past K read the last one (x is zero there)
+        pc = gl.minimum(pair, PAIRS - 1)
+        pair3 = gl.minimum(pair3, PAIRS - 1)
+    a_col = pair3 * 4 + lane3 % 4
+    m_col = pc * 4 + u
+    g_col = pair3 // (GROUP // 128)
+
+    o_row = 8 * gl.arange(0, num_warps, layout=gl.SliceLayout(1, O2))[:, None] \
+        + gl.arange(0, 32, layout=gl.SliceLayout(0, O2))[None, :] // 4
+    o_m = gl.arange(0, 32, layout=gl.SliceLayout(0, O2))[None, :] % 4 + 0 * o_row
+    pid_r = gl.program_id(0)
+    row0 = pid_r * (ROWS * ROW_BLOCKS)
+    if DEPTH == 1:
+        nxt = _w4_fold_block(w_ptr, meta_ptr, s_ptr, z_ptr, row0, w_row, a_col, m_col, g_col, N, stride_wn, stride_mn,
+                             stride_sn, stride_zn, HAS_ZEROS)
+    for blk in range(ROW_BLOCKS):
+        rows = row0 + blk * ROWS
+        if DEPTH == 1:  # loaded during the last block; the next block goes in flight now
+            codes, pos, z, scale = nxt
+            if blk + 1 < ROW_BLOCKS:
+                nxt = _w4_fold_block(w_ptr, meta_ptr, s_ptr, z_ptr, rows + ROWS, w_row, a_col, m_col, g_col, N,
+                                     stride_wn, stride_mn, stride_sn, stride_zn, HAS_ZEROS)
+        else:
+            codes, pos, z, scale = _w4_fold_block(w_ptr, meta_ptr, s_ptr, z_ptr, rows, w_row, a_col, m_col, g_col, N,
+                                                  stride_wn, stride_mn, stride_sn, stride_zn, HAS_ZEROS)
+        codes4 = gl.broadcast(gl.expand_dims(codes, 3), pos)[0]
+        nz4 = gl.broadcast(gl.expand_dims((z | 0xC300) * 0x10001, 3), pos)[0]  # -(128 + zero) in both halves
+        d = gl.inline_asm_elementwise(ASM, ASM_IO, [codes4, b0, b1, b2, b3, pos, nz4, sel], dtype=gl.float32,
+                                      is_pure=True, pack=4)
+        # slot 0 of each pair holds its sum in units of the group's scale (the others -0.0, split off)
+        d = gl.split(gl.reshape(d, [num_warps, 32, KP, 2, 2]))[0]
+        acc = gl.sum(gl.convert_layout(gl.split(d)[0], M3) * scale, axis=2)  # (the same registers, renamed)
+        row = rows + o_row
+        _store_sums(acc, out_ptr, part_ptr, row, o_m, (o_m < M) & (row < N), N, SPLIT, pid_k, stride_om, PARTIAL)
+    if PARTIAL:
+        finish_run(part_ptr, count_ptr, out_ptr, pid_r, row0, 0, M, N, SPLIT, stride_om, ROWS * ROW_BLOCKS, FIX_K,
+                   num_warps)

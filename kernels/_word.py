@@ -707,6 +707,19 @@ def sparse_mma_fold_candidates(m: int, n: int, k: int, device: torch.device) -> 
     return sparse_mma_candidates(m, n, k, device, SPARSE_MMA_FOLD_TILES, warp_rows=8, min_tiles=4, fold=True)
 
 
+# 2:4 + INT4 with folded rows (tiles per slice, warps, blocks loaded ahead: 0 or 1): plain 2:4's fastest families,
+# one block ahead at most ([Note: 2:4 folded rows] in _sparse_mma_kernels; kernels run 182 chose 16-32 tiles, 2-8
+# warps, one block ahead) (sm_90 SASS: 90-240 registers, none spilled)
+SPARSE_MMA_W4_FOLD_TILES = ((32, 4, 1), (32, 2, 1), (16, 8, 0), (16, 8, 1), (16, 4, 1), (16, 4, 0), (8, 4, 1),
+                            (64, 4, 0))
+
+
+def sparse_mma_w4_fold_candidates(m: int, n: int, k: int, device: torch.device) -> list[WordConfig]:
+    """Configs of 2:4 + INT4 with folded rows (the caller checks ``_sparse_mma.sparse_mma_w4_fold_fits``): as
+    :func:`sparse_mma_fold_candidates` over ``SPARSE_MMA_W4_FOLD_TILES``."""
+    return sparse_mma_candidates(m, n, k, device, SPARSE_MMA_W4_FOLD_TILES, warp_rows=8, min_tiles=4, fold=True)
+
+
 def sparse_mma_w4_candidates(m: int, n: int, k: int, group: int, device: torch.device) -> list[WordConfig]:
     """Configs of the 2:4 + INT4 GEMV on sparse tensor cores (the caller checks ``_sparse_mma.sparse_mma_w4_fits``):
     as :func:`sparse_mma_candidates` over ``SPARSE_MMA_W4_TILES``, whole stripes a slice ([Note: INT4 stripes] in
@@ -832,6 +845,11 @@ def run_sparse_mma(x, words, meta, c: WordConfig, *, n: int, s=None, z=None, gro
         ws = _stationary_workspace(x.device)
         if ws is None or not _workspace_fits(m * c.split_k * n, cdiv(n, c.block_n * c.row_blocks)):
             return None
+    if s is not None and c.fold:
+        from ._sparse_mma import run_sparse_mma_w4_fold
+
+        return run_sparse_mma_w4_fold(x, words, meta, s, z, n=n, group=group, tiles_per_slice=c.block_w // 8,
+                                      row_blocks=c.row_blocks, warps=c.warps, depth=c.prefetch, workspace=ws)
     if s is not None:
         return run_sparse_mma_w4(x, words, meta, s, z, n=n, group=group, tiles_per_slice=c.block_w // 8,
                                  row_blocks=c.row_blocks, warps=c.warps, depth=c.prefetch, workspace=ws)
@@ -971,10 +989,12 @@ def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
                 return launch(_pick(key, dense, launch))
             stationary = stationary + dense
     if fmt == FMT_S24W4:
-        from ._sparse_mma import sparse_mma_w4_fits
+        from ._sparse_mma import sparse_mma_w4_fits, sparse_mma_w4_fold_fits
 
         if sparse_mma_w4_fits(x, words, meta, s, z, group=group):
             stationary = stationary + sparse_mma_w4_candidates(m, n, k, group, x.device)
+            if sparse_mma_w4_fold_fits(x, words, meta, s, z, group=group):  # [Note: 2:4 folded rows]
+                stationary = stationary + sparse_mma_w4_fold_candidates(m, n, k, x.device)
     return launch(_pick(key, tiles + stationary, launch))
 
 

@@ -54,6 +54,9 @@ m_dtype = torch.int32
 if kernel_name == "sparse_mma_fold_kernel":  # plain 2:4, folded rows: 64-bit halves of quads, an MMA's positions
     const["ASM"], const["ASM_IO"] = _sparse_mma_kernels.s24_fold_asm()
     w_dtype, m_dtype = torch.int64, torch.int64
+if kernel_name == "sparse_mma_w4_fold_kernel":  # 2:4 + INT4, folded rows: a lane's 8 code bytes of a pair, the asm
+    const["ASM"], const["ASM_IO"] = _sparse_mma_kernels.w4_fold_asm()
+    w_dtype = torch.int64
 if kernel_name == "dense_mma_w4_kernel":  # INT4 words, x gathered as int16, the stripe's asm
     const["ASM"], const["ASM_IO"] = _dense_mma_kernels.w4_dense_asm(const["NT"])
     w_dtype, x_dtype = torch.int32, torch.int16  # (words: K / 8 a row, as 2:4 + INT4's codes)
@@ -62,7 +65,7 @@ values = dict(x_ptr=torch.empty(1, dtype=x_dtype), w_ptr=torch.empty(1, dtype=w_
               meta_ptr=torch.empty(1, dtype=m_dtype), s_ptr=torch.empty(1, dtype=torch.bfloat16),
               z_ptr=torch.empty(1, dtype=torch.uint8), part_ptr=torch.empty(1, dtype=torch.float32),
               count_ptr=torch.empty(1, dtype=torch.int32), out_ptr=torch.empty(1, dtype=torch.bfloat16),
-              M=1, N=n, TILES=k // 32, MMAS=k // 64, STRIPES=k // 128, SPLIT=4, CHUNKS=8, RUNS=n // 64,
+              M=1, N=n, TILES=k // 32, MMAS=k // 64, PAIRS=k // 128, STRIPES=k // 128, SPLIT=4, CHUNKS=8, RUNS=n // 64,
               stride_xm=k if x_dtype == torch.int16 else k // 2, stride_wn=k // 8 if w4 else k // 4,
               stride_mn=k // 32, stride_sn=k // 128, stride_zn=k // 128, stride_om=n)
 names = [a for a in fn.arg_names if a not in const]

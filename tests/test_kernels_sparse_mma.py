@@ -6,7 +6,7 @@ tile (and group of 8 rows of x), the two selectors of a shared metadata register
 (16-byte vectors in stripes), x read from shared memory in whole fragments, nothing spilled. Their values are checked
 on the GPU, bit for bit on integer data (``benchmarks/sparse_mma_check.py``) and against the reference at full size (``benchmarks/gemv_check.py
 --formats s24 s24w4 --kinds mma mma_stripe mma_fold``; benchmarks/RESULTS.md, kernels runs 66-69, 141-142, 172-174
-and 176-181)."""
+and 176-182)."""
 from __future__ import annotations
 
 import re
@@ -170,6 +170,35 @@ def test_fits_2_4_int4_with_groups_of_64_columns_and_int16_metadata(monkeypatch)
     assert _sparse_mma.w4_stripe(128) == _sparse_mma.w4_stripe(256) == 4 and _sparse_mma.w4_stripe(64) == 2
 
 
+def test_2_4_int4_with_folded_rows_fits_groups_of_128_columns_and_1_to_4_rows(monkeypatch):
+    monkeypatch.setattr(_sparse_mma, "sparse_mma_possible", lambda device: True)
+    monkeypatch.setattr(_word, "_sm_count", lambda index: 132)
+    x = torch.zeros(4, 256, dtype=torch.bfloat16)
+    codes = torch.zeros(64, 16, dtype=torch.int32)
+    meta = torch.zeros(64, 16, dtype=torch.int16)
+    s, s64 = torch.ones(64, 2, dtype=torch.bfloat16), torch.ones(64, 4, dtype=torch.bfloat16)
+    assert _sparse_mma.sparse_mma_w4_fold_fits(x, codes, meta, s, None, group=128)
+    assert _sparse_mma.sparse_mma_w4_fold_fits(x[:1], codes, meta, s, torch.zeros(64, 2, dtype=torch.uint8), group=128)
+    x5 = torch.zeros(5, 256, dtype=torch.bfloat16)
+    assert _sparse_mma.sparse_mma_w4_fits(x5, codes, meta, s, None, group=128)
+    assert not _sparse_mma.sparse_mma_w4_fold_fits(x5, codes, meta, s, None, group=128)
+    assert _sparse_mma.sparse_mma_w4_fits(x, codes, meta, s64, None, group=64)  # stripes of 2 tiles
+    assert not _sparse_mma.sparse_mma_w4_fold_fits(x, codes, meta, s64, None, group=64)  # a pair spans two groups
+    x192 = torch.zeros(1, 192, dtype=torch.bfloat16)  # 1.5 pairs
+    assert not _sparse_mma.sparse_mma_w4_fold_fits(x192, codes[:, :12], meta[:, :12], s64[:, :3], None, group=64)
+    with pytest.raises(ValueError, match="at most 4 rows of x"):
+        _sparse_mma.run_sparse_mma_w4_fold(x5, codes, meta, s, None, n=64, group=128, tiles_per_slice=8,
+                                           row_blocks=1, warps=4, workspace=None)
+    with pytest.raises(ValueError, match="groups of a multiple of 128"):
+        _sparse_mma.run_sparse_mma_w4_fold(x, codes, meta, s64, None, n=64, group=64, tiles_per_slice=8,
+                                           row_blocks=1, warps=4, workspace=None)
+    with pytest.raises(ValueError, match="depth must be 0 or 1"):
+        _sparse_mma.run_sparse_mma_w4_fold(x, codes, meta, s, None, n=64, group=128, tiles_per_slice=8,
+                                           row_blocks=1, warps=4, depth=2, workspace=None)
+    got = _word.sparse_mma_w4_fold_candidates(1, 8192, 8192, torch.device("cuda", 0))
+    assert got and all(c.fold and c.block_n == 8 * c.warps and c.block_w // 8 >= 4 for c in got)
+
+
 def test_2_4_int4_slices_must_hold_whole_stripes():
     x = torch.zeros(1, 256, dtype=torch.bfloat16)
     codes, meta = torch.zeros(64, 16, dtype=torch.int32), torch.zeros(64, 16, dtype=torch.int16)
@@ -227,9 +256,15 @@ def test_gemv_tunes_plain_2_4_on_sparse_tensor_cores_alone_and_2_4_int4_beside_t
         _word.run_gemv(x, words, scales, None, m, fmt=_word.FMT_S24W4, group=128, n=64, k=256)
     kinds = {c.sparse_mma for c in offered[-1]}
     assert kinds == {True, False}  # at one row the x-stationary kernel won (kernels run 77): it stays a candidate
-    mma = [c for c in offered[-1] if c.sparse_mma]
+    mma = [c for c in offered[-1] if c.sparse_mma and not c.fold]
     assert mma == _word.sparse_mma_w4_candidates(1, 64, 256, 128, x.device)  # at most one block ahead, whole stripes
     assert all(c.prefetch in (0, 1) and (c.block_w // 8) % 4 == 0 for c in mma) and {c.prefetch for c in mma} == {0, 1}
+    # folded rows too (kernels run 182: ahead at 1 and 4 rows on every shape)
+    assert [c for c in offered[-1] if c.fold] == _word.sparse_mma_w4_fold_candidates(1, 64, 256, x.device)
+    with pytest.raises(Picked):  # groups of 64 columns: a pair of MMAs would span two groups
+        _word.run_gemv(x, words, torch.ones(64, 4, dtype=torch.bfloat16), None, m, fmt=_word.FMT_S24W4, group=64,
+                       n=64, k=256)
+    assert any(c.sparse_mma for c in offered[-1]) and not any(c.fold for c in offered[-1])
 
 
 def test_gemm_candidates_cover_the_rows_in_groups_of_8_and_fit_the_workspace(monkeypatch):
@@ -420,6 +455,22 @@ def test_folded_rows_compile_for_hopper_to_mmas_on_their_loads(tmp_path, kt, war
     a_operands = {rest.split(",")[1].strip() for op, rest in got["ops"] if op.startswith("HMMA.SP")}
     if depth == 0:  # (the (16, 8, 0) case)
         assert a_operands <= loaded
+    assert not any(op == "FADD" and "-RZ" in rest for op, rest in got["ops"])
+
+
+@pytest.mark.parametrize("kt,warps,zeros,group,depth,even", [(16, 4, True, 128, 1, True), (32, 2, False, 256, 1, False),
+                                                              (16, 8, True, 128, 0, True)])
+def test_2_4_int4_folded_rows_compile_for_hopper(tmp_path, kt, warps, zeros, group, depth, even):
+    """[Note: 2:4 folded rows] for 2:4 + INT4: one ``mma.sp`` per 64 columns, a pair's selectors sharing a metadata
+    register; each ``A`` register ``code - zero`` by one bf16 subtraction; a lane's codes of a pair one 8-byte load
+    and the pair's positions one 16-byte load, for each block loaded; the unused sums never added; nothing spilled."""
+    got = _compiled(tmp_path, "sparse_mma_w4_fold_kernel", KP=kt // 4, DEPTH=depth, EVEN_K=even, GROUP=group,
+                    HAS_ZEROS=zeros, num_warps=warps)
+    _one_sparse_mma_per_tile(got, kt // 2)
+    ops = [op for op, _ in got["ops"]]
+    assert sum(op.startswith(("HADD2.BF16", "HFMA2.BF16")) for op in ops) == 4 * (kt // 2)
+    pairs = kt // 4 * (depth + 1)
+    assert ops.count("LDG.E.128") == pairs and ops.count("LDG.E.64") >= pairs
     assert not any(op == "FADD" and "-RZ" in rest for op, rest in got["ops"])
 
 
