@@ -1,10 +1,11 @@
 """The GEMV kernels of the ``gemv`` path side by side at a few rows: tile, x-stationary, x-stationary + TMA, and for
 2:4 (plain and + INT4) the kernels on sparse tensor cores (mma: the GEMV up to 8 rows, the GEMM above), for INT4
 the GEMV on tensor cores (dense, up to 8 rows; ``dense_xs`` its configs that keep ``x`` in shared memory, [Note: x in
-shared memory] in kernels/_dense_mma_kernels.py, ``dense`` the others).
+shared memory] in kernels/_dense_mma_kernels.py, ``dense`` the others, ``dense_fold`` the kernel with folded rows, up
+to 4 rows).
 
     python benchmarks/gemv_check.py [--ms 1 4] [--shapes 8192x8192 8192x28672 28672x8192] [--formats w4 w8 s24]
-                                    [--kinds tile stationary tma mma mma_stripe mma_fold dense dense_xs]
+                                    [--kinds tile stationary tma mma mma_stripe mma_fold dense dense_xs dense_fold]
                                     [--json F]
 
 For each shape (K x N), format (INT4 g128 with zero points, INT8, plain 2:4 by magnitude) and row count:
@@ -34,8 +35,8 @@ def _shape(text: str) -> tuple[int, int]:
     return int(k), int(n)
 
 
-NAN_CHECKED = ("mma", "mma_stripe", "mma_fold", "dense", "dense_xs")  # kinds whose every config is checked, on
-# NaN-filled memory
+# kinds whose every config is checked, on NaN-filled memory
+NAN_CHECKED = ("mma", "mma_stripe", "mma_fold", "dense", "dense_xs", "dense_fold")
 
 
 def main() -> None:
@@ -44,7 +45,8 @@ def main() -> None:
     p.add_argument("--shapes", type=_shape, nargs="*", default=[(8192, 8192), (8192, 28672), (28672, 8192)])
     p.add_argument("--formats", nargs="*", default=["w4", "w8"], choices=["w4", "w8", "s24", "s24w4"])
     p.add_argument("--kinds", nargs="*", default=["tile", "stationary", "tma"],
-                   choices=["tile", "stationary", "tma", "mma", "mma_stripe", "mma_fold", "dense", "dense_xs"])
+                   choices=["tile", "stationary", "tma", "mma", "mma_stripe", "mma_fold", "dense", "dense_xs",
+                            "dense_fold"])
     p.add_argument("--json")
     args = p.parse_args()
     print(torch.cuda.get_device_name(), flush=True)
@@ -95,6 +97,8 @@ def main() -> None:
                                                            if f == _word.FMT_S24W4 else 1) if gemm
                          else [],
                          "dense": [c for c in dense if not c.x_shared], "dense_xs": [c for c in dense if c.x_shared],
+                         "dense_fold": _word.dense_mma_w4_fold_candidates(m, n, k, x.device) if dense and m <= 4
+                         else [],  # [Note: INT4 GEMV with folded rows]
                          "mma_stripe": [c for c in _word.sparse_mma_stripe_candidates(m, n, k, x.device)
                                         if _sparse_mma.sparse_mma_stripe_fits(x, words, sp.meta, c.stripe)]
                          if mma else [],  # [Note: 2:4 stripes]

@@ -64,6 +64,24 @@ one row (the x-stationary TMA kernel: 2.49-2.80x; the tuner times both), 2.33-2.
 1.94-2.25x) and 2.13-2.55x at eight. On an H200 (run 165) 2.22-2.39x at one row, behind the TMA kernel's 2.45-2.60x,
 and 1.86-2.10x at four. Two blocks of 8 rows of ``x`` a fragment (9 to 16 rows, ``NT`` 2) run but lose to ``wdot``
 (1.52-1.76x at 16 rows with ``x`` in shared memory, run 167, against 1.90-2.22x), so the policy keeps them on ``wdot``.
+
+[Note: INT4 GEMV with folded rows] ``dense_mma_w4_fold_kernel`` takes 1 to 4 rows of ``x`` the way the 2:4 kernels
+with folded rows do ([Note: 2:4 folded rows] in ``_sparse_mma_kernels``): both halves of the MMA's ``M`` side are one
+weight row, fragment row ``g`` over one half of a 32-column step and ``g + 8`` over the other, and column ``2i + h``
+of ``B`` is row ``i`` of ``x`` over half ``h``; ``D[g][2i] + D[g + 8][2i + 1]`` is the row's product. A lane's word
+(8 codes, columns ``c .. c + 7``) is one MMA's ``A``: nibble pair ``(p, p + 4)`` becomes register ``p``, so half 0
+is columns ``c, c + 4, c + 2, c + 6`` and half 1 the others, and ``B`` register 0 of lane ``4g + t`` holds columns
+``c + g % 2`` and ``c + g % 2 + 4`` of row ``g // 2`` of ``x``, register 1 the same plus 2. Lane ``t`` takes words
+``4t .. 4t + 3`` of a stripe of its row (one 16-byte load), word ``4t + u`` being MMA ``u``; the stripe's 4 MMAs
+chain, and slot 0 of the asm's four carries the stripe's sum (the others ``-0.0``, split off), times the row's scale.
+The dequantization is the same 11 instructions a word, so the loop costs about as much a byte (sm_90 SASS: 265
+instructions for 4 stripes of 8 rows, 2 KB of words, against about 140 a KB above); what changes is the registers:
+``x`` takes half (8 a stripe) and a lane holds one row's scales and zero points, so 4 stripes with one block ahead
+take 96 registers where the layout above takes 218-222. On an H100 (benchmarks/RESULTS.md, kernels runs 185-187, each
+kind tuned alone) one row of 8192x8192 ran 2.83x of bf16 (registers above: 2.63x, shared memory: 2.50x), and the
+decode shapes 2.59x on 4096x6144 (the TMA kernel: 2.18x), 2.85x on 4096x28672 (2.72x), 2.74x on 14336x4096 (2.54x);
+on 8192x28672 and 28672x8192 ``x`` in shared memory stays ahead (3.00 / 2.96x against 2.89 / 2.89x), and on 4096x4096
+the layout above (2.40x against 2.30x). The tuner times all of them.
 """
 from __future__ import annotations
 
@@ -72,7 +90,7 @@ import functools
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ._sparse_mma_kernels import _cta_barrier, _along3, _along4, _store_sums, finish_run, group_params
+from ._sparse_mma_kernels import _along3, _along4, _cta_barrier, _fold_slots, _store_sums, finish_run, group_params
 
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
@@ -264,3 +282,106 @@ def _x_pairs(xrow, xmask):
     lo = gl.load(xrow, mask=xmask, other=0).to(gl.int32) & 0xFFFF
     hi = gl.load(xrow + 4, mask=xmask, other=0).to(gl.int32)
     return lo | (hi << 16)
+
+
+@functools.cache
+def w4_dense_fold_asm() -> tuple[str, str]:
+    """One stripe of INT4 weights with folded rows ([Note: INT4 GEMV with folded rows]), for ``pack=4``: slot ``u``
+    is MMA ``u`` of the stripe. Operands, 4 registers each: the lane's words (word ``4t + u`` of the stripe of its
+    row), the two ``B`` registers of each MMA, and ``-(128 + zero)`` in both bf16 halves (slot 0). Out: slot 0 the
+    stripe's sum of weight row ``g`` times row ``t`` of ``x`` in units of the group's scale, the others ``-0.0``."""
+    lines = ["{", ".reg .b32 y, one, s, a<4>;", ".reg .f32 d<4>, z;", "mov.b32 one, 0x3F803F80;",
+             "mov.f32 z, 0f00000000;"]
+    for u in range(4):
+        for p in range(4):  # nibble pair (p, p + 4) of the word: segment p % 2, k 2t (+ 8 from p = 2)
+            src = f"${4 + u}"
+            if p:
+                lines.append(f"shr.u32 s, {src}, {4 * p};")
+                src = "s"
+            lines += [f"lop3.b32 y, {src}, 0x000F000F, 0x43004300, 0xEA;", f"fma.rn.bf16x2 a{p}, y, one, $16;"]
+        acc = "z, z, z, z" if u == 0 else "d0, d1, d2, d3"
+        lines.append(f"{_MMA} {{d0, d1, d2, d3}}, {{a0, a1, a2, a3}}, {{${8 + u}, ${12 + u}}}, {{{acc}}};")
+    lines += ["add.f32 $0, d0, d3;", "mov.f32 $1, 0f80000000;", "mov.f32 $2, 0f80000000;", "mov.f32 $3, 0f80000000;",
+              "}"]
+    return "\n".join(lines), ",".join(["=f"] * 4 + ["r"] * 16)
+
+
+@gluon.jit
+def _w4_fold_rows(w_ptr, s_ptr, z_ptr, rows, w_row, a_col, s_row, g_col, N, stride_wn, stride_sn, stride_zn,
+                  HAS_ZEROS: gl.constexpr):
+    """A block's operands with folded rows: the lane's 4 words of each stripe of its row, the row's zero point
+    (int32; 8 without) and scale (fp32) of each stripe. Unmasked: rows from ``N`` on read row ``N - 1``."""
+    r3 = gl.minimum(rows + s_row, N - 1)
+    if HAS_ZEROS:
+        z = gl.load(z_ptr + r3 * stride_zn + g_col).to(gl.int32)
+    else:
+        z = gl.zeros_like(g_col) + 8
+    return (gl.load(w_ptr + gl.minimum(rows + w_row, N - 1) * stride_wn + a_col), z,
+            gl.load(s_ptr + r3 * stride_sn + g_col).to(gl.float32))
+
+
+@gluon.jit
+def dense_mma_w4_fold_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_ptr, M, N, STRIPES, SPLIT,
+                             stride_xm, stride_wn, stride_sn, stride_zn, stride_om, GROUP: gl.constexpr,
+                             HAS_ZEROS: gl.constexpr, Q: gl.constexpr, ROW_BLOCKS: gl.constexpr, DEPTH: gl.constexpr,
+                             EVEN_K: gl.constexpr, PARTIAL: gl.constexpr, FIX_K: gl.constexpr, ASM: gl.constexpr,
+                             ASM_IO: gl.constexpr, num_warps: gl.constexpr):
+    """INT4 with folded rows: ``out[M, N] = x @ dequant(words)^T`` for ``M <= 4`` ([Note: INT4 GEMV with folded
+    rows]). Operands as ``dense_mma_w4_kernel``; ``Q`` stripes a program, a warp taking 8 weight rows of each block of
+    ``8 * num_warps``; ``ASM`` / ``ASM_IO``: ``w4_dense_fold_asm()``."""
+    L4: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, Q, 4], threads_per_warp=[1, 32, 1, 1],
+                                        warps_per_cta=[num_warps, 1, 1, 1], order=[3, 2, 1, 0])
+    Q3: gl.constexpr = gl.SliceLayout(3, L4)  # per stripe
+    O2: gl.constexpr = gl.SliceLayout(2, Q3)  # per lane: its sum
+    ROWS: gl.constexpr = 8 * num_warps
+
+    pid_k = gl.program_id(1)
+    q = pid_k * Q + _along4(Q, 2, L4)
+    u = _along4(4, 3, L4)  # MMA u of a stripe: word 4t + u of the lane's row
+    lane = _along4(32, 1, L4)
+    g = lane // 4
+    t = lane % 4
+    # B: column g is row g // 2 of x over segment g % 2; for word c .. c + 7 (c = 128 q + 8 (4t + u)) register 0
+    # holds columns c + g % 2 and c + g % 2 + 4, register 1 the same + 2
+    xrow = x_ptr + (g // 2) * stride_xm + q * 128 + 8 * (4 * t + u) + g % 2
+    xmask = (g // 2 < M) & (q < STRIPES)
+    b0 = _x_pairs(xrow, xmask)
+    b1 = _x_pairs(xrow + 2, xmask)
+
+    w_row = 8 * _along4(num_warps, 0, L4) + g
+    lane3 = _along3(32, 1, Q3)
+    s_row = 8 * _along3(num_warps, 0, Q3) + lane3 // 4
+    q3 = pid_k * Q + _along3(Q, 2, Q3)
+    if EVEN_K:
+        a_col = q * 16 + 4 * t + u
+    else:  # stripes past K read the last one (x is zero there)
+        a_col = gl.minimum(q, STRIPES - 1) * 16 + 4 * t + u
+        q3 = gl.minimum(q3, STRIPES - 1)
+    g_col = q3 // (GROUP // 128)
+
+    o_row, o_m = _fold_slots(num_warps, O2)
+    pid_r = gl.program_id(0)
+    row0 = pid_r * (ROWS * ROW_BLOCKS)
+    if DEPTH == 1:
+        nxt = _w4_fold_rows(w_ptr, s_ptr, z_ptr, row0, w_row, a_col, s_row, g_col, N, stride_wn, stride_sn,
+                            stride_zn, HAS_ZEROS)
+    for blk in range(ROW_BLOCKS):
+        rows = row0 + blk * ROWS
+        if DEPTH == 1:  # loaded during the last block; the next block goes in flight now
+            words, z, scale = nxt
+            if blk + 1 < ROW_BLOCKS:
+                nxt = _w4_fold_rows(w_ptr, s_ptr, z_ptr, rows + ROWS, w_row, a_col, s_row, g_col, N, stride_wn,
+                                    stride_sn, stride_zn, HAS_ZEROS)
+        else:
+            words, z, scale = _w4_fold_rows(w_ptr, s_ptr, z_ptr, rows, w_row, a_col, s_row, g_col, N, stride_wn,
+                                            stride_sn, stride_zn, HAS_ZEROS)
+        nz = gl.broadcast(gl.expand_dims((z | 0xC300) * 0x10001, 3), words)[0]  # -(128 + zero) in both halves
+        d = gl.inline_asm_elementwise(ASM, ASM_IO, [words, b0, b1, nz], dtype=gl.float32, is_pure=True, pack=4)
+        # slot 0 of each stripe holds its sum in units of the group's scale (the others -0.0, split off)
+        d = gl.split(gl.reshape(d, [num_warps, 32, Q, 2, 2]))[0]
+        acc = gl.sum(gl.convert_layout(gl.split(d)[0], Q3) * scale, axis=2)
+        row = rows + o_row
+        _store_sums(acc, out_ptr, part_ptr, row, o_m, (o_m < M) & (row < N), N, SPLIT, pid_k, stride_om, PARTIAL)
+    if PARTIAL:
+        finish_run(part_ptr, count_ptr, out_ptr, pid_r, row0, 0, M, N, SPLIT, stride_om, ROWS * ROW_BLOCKS, FIX_K,
+                   num_warps)

@@ -695,6 +695,15 @@ def s24_fold_asm() -> tuple[str, str]:
 
 
 @gluon.jit
+def _fold_slots(num_warps: gl.constexpr, O2: gl.constexpr):
+    """Where a lane's sum with folded rows goes ([Note: 2:4 folded rows]): lane ``4g + t`` of warp ``w`` holds
+    weight row ``8w + g`` of the block times row ``t`` of ``x``. ``(weight row, row of x)`` in the layout ``O2``."""
+    o_row = 8 * gl.arange(0, num_warps, layout=gl.SliceLayout(1, O2))[:, None] \
+        + gl.arange(0, 32, layout=gl.SliceLayout(0, O2))[None, :] // 4
+    return o_row, gl.arange(0, 32, layout=gl.SliceLayout(0, O2))[None, :] % 4 + 0 * o_row
+
+
+@gluon.jit
 def _fold_b(xrow, xmask, t, STEP: gl.constexpr):
     """The four ``B`` registers with folded rows ([Note: 2:4 folded rows]): register ``i`` holds logical block ``L = t
     // 2 + 2i``, the int32 pair at ``xrow + STEP (L % 4) + 4 (L // 4)`` (``STEP`` 8 for plain 2:4, 16 for 2:4 + INT4's
@@ -757,9 +766,7 @@ def sparse_mma_fold_kernel(x_ptr, w_ptr, meta_ptr, part_ptr, count_ptr, out_ptr,
         a_col = (2 * t, 8 * gl.minimum(mma, MMAS - 1) + u % 2)
         m_col = (0 * lane3, gl.minimum(pid_k * (2 * KP) + 2 * _along3(KP, 2, M3) + (lane3 % 4) // 2, MMAS - 1))
 
-    o_row = 8 * gl.arange(0, num_warps, layout=gl.SliceLayout(1, O2))[:, None] \
-        + gl.arange(0, 32, layout=gl.SliceLayout(0, O2))[None, :] // 4
-    o_m = gl.arange(0, 32, layout=gl.SliceLayout(0, O2))[None, :] % 4 + 0 * o_row
+    o_row, o_m = _fold_slots(num_warps, O2)
     pid_r = gl.program_id(0)
     row0 = pid_r * (ROWS * ROW_BLOCKS)
     if DEPTH > 0:
@@ -896,9 +903,7 @@ def sparse_mma_w4_fold_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, co
     m_col = pc * 4 + u
     g_col = pair3 // (GROUP // 128)
 
-    o_row = 8 * gl.arange(0, num_warps, layout=gl.SliceLayout(1, O2))[:, None] \
-        + gl.arange(0, 32, layout=gl.SliceLayout(0, O2))[None, :] // 4
-    o_m = gl.arange(0, 32, layout=gl.SliceLayout(0, O2))[None, :] % 4 + 0 * o_row
+    o_row, o_m = _fold_slots(num_warps, O2)
     pid_r = gl.program_id(0)
     row0 = pid_r * (ROWS * ROW_BLOCKS)
     if DEPTH == 1:

@@ -768,6 +768,22 @@ def dense_mma_w4_candidates(m: int, n: int, k: int, device: torch.device) -> lis
     return out
 
 
+# the INT4 GEMV on tensor cores with folded rows (stripes of 128 columns a warp, warps, blocks loaded ahead: 0 or 1),
+# 1-4 rows of x ([Note: INT4 GEMV with folded rows] in _dense_mma_kernels); kernels runs 185-186 chose 4 stripes, 4
+# warps, one block ahead on every shape (sm_90 SASS: 52-255 registers, none spilled; 16 stripes with one block ahead
+# spill, and 8 stripes of 8 warps with none ahead did without zero points on a partial slice)
+DENSE_MMA_FOLD_TILES = ((4, 4, 1), (4, 8, 1), (4, 4, 0), (8, 4, 1), (8, 4, 0), (2, 4, 1), (2, 8, 1), (16, 4, 0))
+
+
+def dense_mma_w4_fold_candidates(m: int, n: int, k: int, device: torch.device) -> list[WordConfig]:
+    """Configs of the INT4 GEMV with folded rows (the caller checks ``_dense_mma.dense_mma_w4_fits`` and at most 4
+    rows): as :func:`sparse_mma_candidates` over ``DENSE_MMA_FOLD_TILES`` (a stripe: 4 tiles of 32 columns), blocks of
+    8 weight rows a warp; ``block_w // 16`` stripes a slice as in :func:`dense_mma_w4_candidates`."""
+    table = tuple((4 * q, warps, depth) for q, warps, depth in DENSE_MMA_FOLD_TILES)
+    return [replace(c, block_w=c.block_w // 2, sparse_mma=False, dense_mma=True)
+            for c in sparse_mma_candidates(m, n, k, device, table, warp_rows=8, min_tiles=4, fold=True)]
+
+
 def run_dense_mma(x, words, s, z, c: WordConfig, *, n: int, group: int) -> torch.Tensor | None:
     """The INT4 GEMV on tensor cores with config ``c``; ``None`` where its workspace cannot be made now or is too
     small for these rows (as :func:`run_stationary`)."""
@@ -778,6 +794,11 @@ def run_dense_mma(x, words, s, z, c: WordConfig, *, n: int, group: int) -> torch
         ws = _stationary_workspace(x.device)
         if ws is None or not _workspace_fits(x.shape[0] * c.split_k * n, cdiv(n, c.block_n * c.row_blocks)):
             return None
+    if c.fold:
+        from ._dense_mma import run_dense_mma_w4_fold
+
+        return run_dense_mma_w4_fold(x, words, s, z, n=n, group=group, stripes_per_slice=c.block_w // 16,
+                                     row_blocks=c.row_blocks, warps=c.warps, depth=c.prefetch, workspace=ws)
     return run_dense_mma_w4(x, words, s, z, n=n, group=group, stripes_per_slice=c.block_w // 16,
                             row_blocks=c.row_blocks, warps=c.warps, k_warps=c.k_warps, depth=c.prefetch,
                             x_shared=c.x_shared, workspace=ws)
@@ -985,6 +1006,8 @@ def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
 
         if dense_mma_w4_fits(x, words, s, z, group=group):
             dense = dense_mma_w4_candidates(m, n, k, x.device)
+            if m <= 4:  # folded rows ([Note: INT4 GEMV with folded rows]): ahead on 8192x8192 and the decode shapes
+                dense = dense + dense_mma_w4_fold_candidates(m, n, k, x.device)
             if m > 1:  # the others' instructions grow with the rows, its do not (kernels run 160): tune it alone
                 return launch(_pick(key, dense, launch))
             stationary = stationary + dense

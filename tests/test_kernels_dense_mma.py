@@ -1,10 +1,11 @@
 """The INT4 GEMV on tensor cores ([Note: INT4 GEMV on tensor cores] in kernels/_dense_mma_kernels.py), a Gluon kernel
-around inline ``mma.sync`` that the CPU interpreter cannot run. Here: the stripe's inline asm, run lane by lane by a
-small PTX emulator against ``(codes - zero) @ x^T``; when the kernel is offered and chosen; that bad arguments are
-refused; and that it compiles for sm_90 into what it exists for: 8 MMAs a stripe and block of 8 rows of ``x``, one
-16-byte load a stripe and weight row, a bf16 subtraction a code pair, nothing spilled. Its values are checked on the
-GPU against the reference at full size (``benchmarks/gemv_check.py --formats w4 --kinds dense``; benchmarks/RESULTS.md,
-kernels runs 160-163)."""
+around inline ``mma.sync`` that the CPU interpreter cannot run, and its layout with folded rows ([Note: INT4 GEMV with
+folded rows]). Here: each stripe's inline asm, run lane by lane by a small PTX emulator against ``(codes - zero) @
+x^T``; when the kernels are offered and chosen; that bad arguments are refused; and that they compile for sm_90 into
+what they exist for: 8 MMAs a stripe and block of 8 rows of ``x`` (4 with folded rows), one 16-byte load a stripe
+and weight row, a bf16 subtraction a code pair, nothing spilled. Their values are checked on the GPU against the
+reference at full size (``benchmarks/gemv_check.py --formats w4 --kinds dense dense_fold``; benchmarks/RESULTS.md,
+kernels runs 160-163 and 185-186)."""
 from __future__ import annotations
 
 import re
@@ -84,6 +85,8 @@ def _emulate(asm: str, operands: list[list[int | float]]) -> list[list[float]]:
                 for bit in range(32):
                     idx = (((v[0] >> bit) & 1) << 2) | (((v[1] >> bit) & 1) << 1) | ((v[2] >> bit) & 1)
                     out |= ((lut >> idx) & 1) << bit
+            elif op == "add.f32":
+                out = v[0] + v[1]
             elif op == "fma.rn.bf16x2":
                 (a0, a1), (b0, b1), (c0, c1) = (_unpair(x) for x in v)
                 out = int(_pair(torch.tensor(a0 * b0 + c0), torch.tensor(a1 * b1 + c1)))
@@ -196,11 +199,81 @@ def test_gemv_tunes_it_beside_the_others_at_one_row_and_alone_at_more(offered):
                            group=128, n=64, k=256)
     one, four = offered
     assert {c.dense_mma for c in one} == {True, False}  # at one row the TMA kernel won on 28672x8192 (run 161)
-    assert four == _word.dense_mma_w4_candidates(4, 64, 256, torch.device("cpu"))
+    assert [c for c in four if not c.fold] == _word.dense_mma_w4_candidates(4, 64, 256, torch.device("cpu"))
     with pytest.raises(Picked):  # groups of 64 columns: the other kernels alone
         _word.run_gemv(torch.zeros(4, 256, dtype=torch.bfloat16), words, torch.ones(64, 4), None, None,
                        fmt=_word.FMT_W4, group=64, n=64, k=256)
     assert not any(c.dense_mma for c in offered[-1])
+
+
+def test_folded_stripe_asm_multiplies_codes_minus_zero_by_x():
+    """[Note: INT4 GEMV with folded rows]: lane ``4g + t`` holds word ``4t + u`` of weight row ``g`` for MMA ``u``,
+    and ``B`` column ``2i + h`` row ``i`` of ``x`` over segment ``h``; slot 0 of lane ``4g + t`` is row ``t`` of ``x``
+    times weight row ``g`` over the whole stripe, the other slots ``-0.0``."""
+    torch.manual_seed(3)
+    codes = torch.randint(0, 16, (8, 128), dtype=torch.int32)
+    zero = torch.randint(0, 16, (8,), dtype=torch.int32)
+    x = torch.randint(-8, 9, (4, 128)).float() / 4  # exact in bf16 and in every fp32 sum
+    words = sum((codes[:, i::8] << (4 * i)) for i in range(8))  # (8, 16): nibble i of word c is column 8c + i
+    asm, io = _kernels.w4_dense_fold_asm()
+    assert io.count("=f") == 4 and io.count("r") == 16
+    nz = _pair(-(128.0 + zero).float(), -(128.0 + zero).float())
+    operands = []
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        i, h = g // 2, g % 2
+        ops = [0.0] * 4 + [int(words[g, 4 * t + u]) for u in range(4)]
+        cols = [8 * (4 * t + u) + h for u in range(4)]  # B register 0: columns c + h and c + h + 4, register 1: + 2
+        ops += [int(_pair(x[i, c], x[i, c + 4])) for c in cols] + [int(_pair(x[i, c + 2], x[i, c + 6])) for c in cols]
+        ops += [int(nz[g])] * 4
+        operands.append(ops)
+    out = _emulate(asm, operands)
+    want = x @ (codes - zero[:, None]).float().T  # (rows of x, weight rows)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        assert out[lane][0] == want[t, g].item() and out[lane][1:4] == [0.0, 0.0, 0.0]
+
+
+def test_folded_rows_are_offered_at_1_to_4_rows_and_refuse_bad_arguments(offered):
+    words = torch.zeros(64, 32, dtype=torch.int32)
+    s = torch.ones(64, 2, dtype=torch.bfloat16)
+    for m in (1, 4, 5):
+        with pytest.raises(Picked):
+            _word.run_gemv(torch.zeros(m, 256, dtype=torch.bfloat16), words, s, None, None, fmt=_word.FMT_W4,
+                           group=128, n=64, k=256)
+    one, four, five = offered
+    folded = _word.dense_mma_w4_fold_candidates(4, 64, 256, torch.device("cpu"))
+    assert folded and all(c.dense_mma and c.fold and c.block_n == 8 * c.warps for c in folded)
+    assert four == _word.dense_mma_w4_candidates(4, 64, 256, torch.device("cpu")) + folded
+    assert any(c.fold for c in one) and not any(c.fold for c in five)
+    x = torch.zeros(2, 256, dtype=torch.bfloat16)
+    run = _dense_mma.run_dense_mma_w4_fold
+    with pytest.raises(ValueError, match="powers of two"):
+        run(x, words, s, None, n=64, group=128, stripes_per_slice=3, row_blocks=1, warps=4, workspace=None)
+    with pytest.raises(ValueError, match="at most 4 rows of x"):
+        run(torch.zeros(5, 256, dtype=torch.bfloat16), words, s, None, n=64, group=128, stripes_per_slice=2,
+            row_blocks=1, warps=4, workspace=None)
+    with pytest.raises(ValueError, match="workspace"):
+        run(x, words, s, None, n=64, group=128, stripes_per_slice=1, row_blocks=1, warps=4, workspace=None)
+
+
+@pytest.mark.parametrize("q,depth,warps,zeros,group,even", [(4, 1, 4, True, 128, True), (8, 0, 4, False, 256, False),
+                                                            (4, 0, 4, True, 128, False)])
+def test_folded_rows_compile_for_hopper_to_four_mmas_a_stripe(tmp_path, q, depth, warps, zeros, group, even):
+    """[Note: INT4 GEMV with folded rows]: 4 MMAs a stripe and block (one weight row of 8 a lane, 32 columns an MMA),
+    a bf16 subtraction a code pair, one 16-byte load a stripe of the lane's row for each block loaded; the unused
+    sums never added; nothing spilled."""
+    const = dict(Q=q, DEPTH=depth, num_warps=warps, HAS_ZEROS=zeros, GROUP=group, EVEN_K=even, PARTIAL=True, FIX_K=4,
+                 ROW_BLOCKS=4)
+    got = compile_gemv_kernel(tmp_path, "dense_mma_w4_fold_kernel", const)
+    ops = [op for op, _ in got["ops"]]
+    mmas = ops.count("HMMA.16816.F32.BF16")  # a block's stripes, once or twice (ptxas may peel the last iteration)
+    assert mmas in (4 * q, 8 * q)
+    assert sum(op.startswith(("HADD2.BF16", "HFMA2.BF16")) for op in ops) == 4 * mmas
+    assert ops.count("LDG.E.128") == q * (depth + 1)
+    assert not any(op == "FADD" and "-RZ" in rest for op, rest in got["ops"])
+    assert got["stack"] == 0 and got["local"] == 0 and got["regs"] <= 255
+    assert not any(op.startswith(("LDL", "STL")) for op in ops)
 
 
 def test_bad_arguments_are_refused_before_launch():
