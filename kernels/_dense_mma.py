@@ -124,6 +124,9 @@ def run_dense_mma_w4_fold(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor,
         if workspace is None:
             raise ValueError("run_dense_mma_w4_fold: more than one slice of K needs the fix-up workspace")
         parts, counters = workspace
+        if m * split * n > parts.numel() or runs > counters.numel():
+            raise ValueError(f"run_dense_mma_w4_fold: {m} rows x {split} slices x {n} partials (or {runs} counters) "
+                             f"do not fit the workspace")
     else:
         parts, counters = out, words
     zz = z if z is not None else s

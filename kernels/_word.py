@@ -128,8 +128,9 @@ class WordConfig:
     # memory] in _dense_mma_kernels)
     stripe: int = 0  # sparse_mma, plain 2:4: > 0 picks the kernel that reads the values in stripes of that many
     # tiles (2 or 4), unmasked ([Note: 2:4 stripes] in _sparse_mma_kernels); prefetch 0 or 1
-    fold: bool = False  # sparse_mma, plain 2:4, 1-4 rows of x: the kernel with folded rows ([Note: 2:4 folded rows]
-    # in _sparse_mma_kernels); block_n = 8 x warps weight rows a block, prefetch 0 or 1
+    fold: bool = False  # sparse_mma (plain 2:4, 2:4 + INT4) or dense_mma, 1-4 rows of x: the kernels with folded
+    # rows ([Note: 2:4 folded rows] in _sparse_mma_kernels, [Note: INT4 GEMV with folded rows] in _dense_mma_kernels);
+    # block_n = 8 x warps weight rows a block
 
 
 @functools.cache
@@ -1002,11 +1003,12 @@ def run_gemv(x, words, s, z, meta, *, fmt: int, group: int, n: int, k: int) -> t
                 mma += sparse_mma_fold_candidates(m, n, k, x.device)
             return launch(_pick(key, mma, launch))
     if fmt == FMT_W4:
-        from ._dense_mma import dense_mma_w4_fits
+        from ._dense_mma import FOLD_M, dense_mma_w4_fits
 
         if dense_mma_w4_fits(x, words, s, z, group=group):
             dense = dense_mma_w4_candidates(m, n, k, x.device)
-            if m <= 4:  # folded rows ([Note: INT4 GEMV with folded rows]): ahead on 8192x8192 and the decode shapes
+            if m <= FOLD_M:  # folded rows ([Note: INT4 GEMV with folded rows]): ahead on 8192x8192 and the decode
+                # shapes
                 dense = dense + dense_mma_w4_fold_candidates(m, n, k, x.device)
             if m > 1:  # the others' instructions grow with the rows, its do not (kernels run 160): tune it alone
                 return launch(_pick(key, dense, launch))
