@@ -80,8 +80,8 @@ def _verdict(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, str]:
 
 
 def check_plain(ws, *, kind: str) -> int:
-    """Plain 2:4, tile by tile (``CASES``), in stripes (``STRIPE_CASES``) or with folded rows (``FOLD_CASES``; both at
-    most one block ahead), bit for bit."""
+    """Plain 2:4, tile by tile (``CASES``), in stripes (``STRIPE_CASES``, at most one block ahead) or with folded rows
+    (``FOLD_CASES``), bit for bit."""
     bad = 0
     stripes = kind == "stripes"
     for n, k, m, kt, *stripe in {"tiles": CASES, "stripes": STRIPE_CASES, "fold": FOLD_CASES}[kind]:
