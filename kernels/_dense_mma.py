@@ -51,6 +51,25 @@ def dense_mma_w4_fits(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: 
     return dense_mma_possible(x.device)
 
 
+def _setup(name: str, x: torch.Tensor, words: torch.Tensor, *, n: int, q: int, run: int, workspace):
+    """``(stripes, split, runs, out, partials, counters)`` of a launch of ``q`` stripes a slice and ``run`` weight rows
+    a program; more than one slice needs ``workspace`` ``(partials, counters)`` big enough for them."""
+    m, k = x.shape
+    stripes = k // STRIPE_K
+    split = cdiv(stripes, q)
+    runs = cdiv(n, run)
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    if split == 1:
+        return stripes, split, runs, out, out, words
+    if workspace is None:
+        raise ValueError(f"{name}: more than one slice of K needs the fix-up workspace (partials, counters)")
+    parts, counters = workspace
+    if m * split * n > parts.numel() or runs > counters.numel():
+        raise ValueError(f"{name}: {m} rows x {split} slices x {n} partials (or {runs} counters) do not fit the "
+                         f"workspace")
+    return stripes, split, runs, out, parts, counters
+
+
 def run_dense_mma_w4(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, *, n: int,
                      group: int, stripes_per_slice: int, row_blocks: int, warps: int, k_warps: int = 1,
                      depth: int = 0, x_shared: bool = False,
@@ -70,22 +89,10 @@ def run_dense_mma_w4(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: t
                          f"{warps}, {k_warps}, {depth}")
     if group % STRIPE_K:
         raise ValueError(f"run_dense_mma_w4: the groups must be a multiple of {STRIPE_K} columns, got {group}")
-    m, k = x.shape
-    stripes = k // STRIPE_K
-    split = cdiv(stripes, q)
+    m = x.shape[0]
     run = 16 * warps // k_warps * rb
-    runs = cdiv(n, run)
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    if split > 1:
-        if workspace is None:
-            raise ValueError("run_dense_mma_w4: more than one slice of K needs the fix-up workspace (partials, "
-                             "counters)")
-        parts, counters = workspace
-        if m * split * n > parts.numel() or runs > counters.numel():
-            raise ValueError(f"run_dense_mma_w4: {m} rows x {split} slices x {n} partials (or {runs} counters) do "
-                             f"not fit the workspace")
-    else:
-        parts, counters = out, words
+    stripes, split, runs, out, parts, counters = _setup("run_dense_mma_w4", x, words, n=n, q=q, run=run,
+                                                        workspace=workspace)
     zz = z if z is not None else s
     nt = 1 if m <= 8 else 2
     asm, io = _kernels().w4_dense_asm(nt)
@@ -111,24 +118,13 @@ def run_dense_mma_w4_fold(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor,
     if q < 1 or q & (q - 1) or rb < 1 or rb & (rb - 1) or warps not in (1, 2, 4, 8) or depth not in (0, 1):
         raise ValueError(f"run_dense_mma_w4_fold: stripes_per_slice and row_blocks must be powers of two, warps 1, "
                          f"2, 4 or 8, depth 0 or 1; got {q}, {rb}, {warps}, {depth}")
-    m, k = x.shape
+    m = x.shape[0]
     if m > FOLD_M or group % STRIPE_K:
         raise ValueError(f"run_dense_mma_w4_fold: at most {FOLD_M} rows of x and groups of a multiple of "
                          f"{STRIPE_K} columns, got {m} rows, groups of {group}")
-    stripes = k // STRIPE_K
-    split = cdiv(stripes, q)
     run = 8 * warps * rb
-    runs = cdiv(n, run)
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    if split > 1:
-        if workspace is None:
-            raise ValueError("run_dense_mma_w4_fold: more than one slice of K needs the fix-up workspace")
-        parts, counters = workspace
-        if m * split * n > parts.numel() or runs > counters.numel():
-            raise ValueError(f"run_dense_mma_w4_fold: {m} rows x {split} slices x {n} partials (or {runs} counters) "
-                             f"do not fit the workspace")
-    else:
-        parts, counters = out, words
+    stripes, split, runs, out, parts, counters = _setup("run_dense_mma_w4_fold", x, words, n=n, q=q, run=run,
+                                                        workspace=workspace)
     zz = z if z is not None else s
     asm, io = _kernels().w4_dense_fold_asm()
     _kernels().dense_mma_w4_fold_kernel[(runs, split)](
