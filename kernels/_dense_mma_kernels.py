@@ -82,6 +82,22 @@ kind tuned alone) one row of 8192x8192 ran 2.83x of bf16 (registers above: 2.63x
 decode shapes 2.59x on 4096x6144 (the TMA kernel: 2.18x), 2.85x on 4096x28672 (2.72x), 2.74x on 14336x4096 (2.54x);
 on 8192x28672 and 28672x8192 ``x`` in shared memory stays ahead (3.00 / 2.96x against 2.89 / 2.89x), and on 4096x4096
 the layout above (2.40x against 2.30x). The tuner times all of them.
+
+[Note: fold warps along K] Where the time of the GEMV with folded rows goes was measured by switching parts of it
+off (kernels runs 197-198, H100, wrong results, same grid; benchmarks/RESULTS.md, session 28): without the split-K
+fix-up (``finish_run``) 8192x8192 went from 20.0 to 18.6-18.7 us, 4096x4096 from 8.4-8.9 to 6.8, 4096x6144 from
+9.8-9.9 to 8.0-8.3; without the scales' and zero points' loads 0.3-0.9 us less; without the dequantization and MMAs,
+or reading the same bytes as if stored tiled (512 contiguous bytes a warp load), no faster. Loading more ahead
+(two blocks, or the rows two blocks on prefetched into L2) and fewer instructions a word (``128 + code`` into the
+MMA, the zero points' share from a sum of ``x``) were no faster either (runs 188-196). The fix-up's cost is a latency
+at the end of the launch: the last program of a run waits for its own stores, an atomic and the other slices'
+partials, about 1.5 us, whatever the number of slices. So the warps may split ``K`` as in the layout above ([Note:
+warps along K]): ``WK`` warps along ``K`` by ``num_warps / WK`` along the rows, a program covering ``WK`` times a
+warp's slice, the warps' sums meeting in shared memory (Triton's reduction across warps) a block at a time. With 8-16
+warps along ``K`` a program covers all of a 4096-column ``K``, and there is no fix-up. On an H100 (run 199, the
+tuner choosing among both) 4096x4096 ran 2.76x of bf16 (7.1 us; run 199's copy without warps along ``K``: 2.35x)
+and 4096x6144 2.80x (2.60x); on the larger shapes the choice is within the runs' variation (2.75-3.03x against
+2.90-2.99x).
 """
 from __future__ import annotations
 
@@ -323,20 +339,23 @@ def _w4_fold_rows(w_ptr, s_ptr, z_ptr, rows, w_row, a_col, s_row, g_col, N, stri
 @gluon.jit
 def dense_mma_w4_fold_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_ptr, M, N, STRIPES, SPLIT,
                              stride_xm, stride_wn, stride_sn, stride_zn, stride_om, GROUP: gl.constexpr,
-                             HAS_ZEROS: gl.constexpr, Q: gl.constexpr, ROW_BLOCKS: gl.constexpr, DEPTH: gl.constexpr,
-                             EVEN_K: gl.constexpr, PARTIAL: gl.constexpr, FIX_K: gl.constexpr, ASM: gl.constexpr,
-                             ASM_IO: gl.constexpr, num_warps: gl.constexpr):
+                             HAS_ZEROS: gl.constexpr, Q: gl.constexpr, WK: gl.constexpr, ROW_BLOCKS: gl.constexpr,
+                             DEPTH: gl.constexpr, EVEN_K: gl.constexpr, PARTIAL: gl.constexpr, FIX_K: gl.constexpr,
+                             ASM: gl.constexpr, ASM_IO: gl.constexpr, num_warps: gl.constexpr):
     """INT4 with folded rows: ``out[M, N] = x @ dequant(words)^T`` for ``M <= 4`` ([Note: INT4 GEMV with folded
-    rows]). Operands as ``dense_mma_w4_kernel``; ``Q`` stripes a program, a warp taking 8 weight rows of each block of
-    ``8 * num_warps``; ``ASM`` / ``ASM_IO``: ``w4_dense_fold_asm()``."""
+    rows]). Operands as ``dense_mma_w4_kernel``; a program owns ``WK * Q`` stripes, ``Q`` a warp, its warps ``WK``
+    along ``K`` by ``num_warps / WK`` along the rows ([Note: fold warps along K]), each of those taking 8 weight rows of
+    each block; ``ASM`` / ``ASM_IO``: ``w4_dense_fold_asm()``."""
+    WR: gl.constexpr = num_warps // WK  # warps along the rows
+    QW: gl.constexpr = Q * WK  # stripes a program
     L4: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, Q, 4], threads_per_warp=[1, 32, 1, 1],
-                                        warps_per_cta=[num_warps, 1, 1, 1], order=[3, 2, 1, 0])
+                                        warps_per_cta=[WR, 1, WK, 1], order=[3, 2, 1, 0])
     Q3: gl.constexpr = gl.SliceLayout(3, L4)  # per stripe
     O2: gl.constexpr = gl.SliceLayout(2, Q3)  # per lane: its sum
-    ROWS: gl.constexpr = 8 * num_warps
+    ROWS: gl.constexpr = 8 * WR
 
     pid_k = gl.program_id(1)
-    q = pid_k * Q + _along4(Q, 2, L4)
+    q = pid_k * QW + _along4(QW, 2, L4)
     u = _along4(4, 3, L4)  # MMA u of a stripe: word 4t + u of the lane's row
     lane = _along4(32, 1, L4)
     g = lane // 4
@@ -348,10 +367,10 @@ def dense_mma_w4_fold_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, ou
     b0 = _x_pairs(xrow, xmask)
     b1 = _x_pairs(xrow + 2, xmask)
 
-    w_row = 8 * _along4(num_warps, 0, L4) + g
+    w_row = 8 * _along4(WR, 0, L4) + g
     lane3 = _along3(32, 1, Q3)
-    s_row = 8 * _along3(num_warps, 0, Q3) + lane3 // 4
-    q3 = pid_k * Q + _along3(Q, 2, Q3)
+    s_row = 8 * _along3(WR, 0, Q3) + lane3 // 4
+    q3 = pid_k * QW + _along3(QW, 2, Q3)
     if EVEN_K:
         a_col = q * 16 + 4 * t + u
     else:  # stripes past K read the last one (x is zero there)
@@ -359,7 +378,7 @@ def dense_mma_w4_fold_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, ou
         q3 = gl.minimum(q3, STRIPES - 1)
     g_col = q3 // (GROUP // 128)
 
-    o_row, o_m = _fold_slots(num_warps, O2)
+    o_row, o_m = _fold_slots(WR, O2)
     pid_r = gl.program_id(0)
     row0 = pid_r * (ROWS * ROW_BLOCKS)
     if DEPTH == 1:
@@ -377,8 +396,9 @@ def dense_mma_w4_fold_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, ou
                                             stride_sn, stride_zn, HAS_ZEROS)
         nz = gl.broadcast(gl.expand_dims((z | 0xC300) * 0x10001, 3), words)[0]  # -(128 + zero) in both halves
         d = gl.inline_asm_elementwise(ASM, ASM_IO, [words, b0, b1, nz], dtype=gl.float32, is_pure=True, pack=4)
-        # slot 0 of each stripe holds its sum in units of the group's scale (the others -0.0, split off)
-        d = gl.split(gl.reshape(d, [num_warps, 32, Q, 2, 2]))[0]
+        # slot 0 of each stripe holds its sum in units of the group's scale (the others -0.0, split off); with
+        # warps along K the stripes' sum meets across them in shared memory
+        d = gl.split(gl.reshape(d, [WR, 32, QW, 2, 2]))[0]
         acc = gl.sum(gl.convert_layout(gl.split(d)[0], Q3) * scale, axis=2)
         row = rows + o_row
         _store_sums(acc, out_ptr, part_ptr, row, o_m, (o_m < M) & (row < N), N, SPLIT, pid_k, stride_om, PARTIAL)

@@ -774,6 +774,12 @@ def dense_mma_w4_candidates(m: int, n: int, k: int, device: torch.device) -> lis
 # warps, one block ahead on every shape (sm_90 SASS: 52-255 registers, none spilled; 16 stripes with one block ahead
 # spill, and 8 stripes of 8 warps with none ahead did without zero points on a partial slice)
 DENSE_MMA_FOLD_TILES = ((4, 4, 1), (4, 8, 1), (4, 4, 0), (8, 4, 1), (8, 4, 0), (2, 4, 1), (2, 8, 1), (16, 4, 0))
+# the same with warps along K (stripes a program, warps, of them along K, blocks loaded ahead): a program covers all of
+# K or a large slice of it, so the split-K fix-up's latency leaves the tail ([Note: fold warps along K] in
+# _dense_mma_kernels; kernels run 199: 4096x4096 2.35x -> 2.76x, 4096x6144 2.60x -> 2.80x at one row, H100). Programs
+# of 16 warps take all 64K registers of an SM at 128 a thread (sm_90 SASS of 4 stripes a warp: 127-128, none spilled;
+# 8 stripes a warp spill)
+DENSE_MMA_FOLD_K_TILES = ((32, 8, 8, 1), (64, 16, 16, 1), (16, 8, 8, 1), (32, 16, 16, 1), (16, 4, 4, 1), (32, 8, 4, 1))
 
 
 def dense_mma_w4_fold_candidates(m: int, n: int, k: int, device: torch.device) -> list[WordConfig]:
@@ -781,8 +787,22 @@ def dense_mma_w4_fold_candidates(m: int, n: int, k: int, device: torch.device) -
     rows): as :func:`sparse_mma_candidates` over ``DENSE_MMA_FOLD_TILES`` (a stripe: 4 tiles of 32 columns), blocks of
     8 weight rows a warp; ``block_w // 16`` stripes a slice as in :func:`dense_mma_w4_candidates`."""
     table = tuple((4 * q, warps, depth) for q, warps, depth in DENSE_MMA_FOLD_TILES)
-    return [replace(c, block_w=c.block_w // 2, sparse_mma=False, dense_mma=True)
-            for c in sparse_mma_candidates(m, n, k, device, table, warp_rows=8, min_tiles=4, fold=True)]
+    out = [replace(c, block_w=c.block_w // 2, sparse_mma=False, dense_mma=True)
+           for c in sparse_mma_candidates(m, n, k, device, table, warp_rows=8, min_tiles=4, fold=True)]
+    stripes = k // 128
+    sms = _sm_count(device.index or 0)
+    for qp, warps, wk, depth in DENSE_MMA_FOLD_K_TILES:
+        qp = min(qp, max(wk, 1 << (stripes - 1).bit_length()))  # a short K: one slice of all its stripes
+        split = cdiv(stripes, qp)
+        if split > 1 and m * split * n > STATIONARY_WORKSPACE:
+            continue
+        rows = 8 * warps // wk
+        # programs of 8-16 warps: one or two an SM, so from half a wave on (a full one is often just short)
+        runs = [rb for rb in SPARSE_MMA_RUNS + (32,) if 2 * split * cdiv(n, rows * rb) >= sms
+                and cdiv(n, rows * rb) <= WORKSPACE_COUNTERS] or [1]
+        out += [c for c in (WordConfig(1, rows, 16 * qp, split, warps, prefetch=depth, row_blocks=rb,
+                                       dense_mma=True, k_warps=wk, fold=True) for rb in runs) if c not in out]
+    return out
 
 
 def run_dense_mma(x, words, s, z, c: WordConfig, *, n: int, group: int) -> torch.Tensor | None:
@@ -799,7 +819,8 @@ def run_dense_mma(x, words, s, z, c: WordConfig, *, n: int, group: int) -> torch
         from ._dense_mma import run_dense_mma_w4_fold
 
         return run_dense_mma_w4_fold(x, words, s, z, n=n, group=group, stripes_per_slice=c.block_w // 16,
-                                     row_blocks=c.row_blocks, warps=c.warps, depth=c.prefetch, workspace=ws)
+                                     row_blocks=c.row_blocks, warps=c.warps, k_warps=c.k_warps, depth=c.prefetch,
+                                     workspace=ws)
     return run_dense_mma_w4(x, words, s, z, n=n, group=group, stripes_per_slice=c.block_w // 16,
                             row_blocks=c.row_blocks, warps=c.warps, k_warps=c.k_warps, depth=c.prefetch,
                             x_shared=c.x_shared, workspace=ws)
@@ -871,7 +892,8 @@ def run_sparse_mma(x, words, meta, c: WordConfig, *, n: int, s=None, z=None, gro
         from ._sparse_mma import run_sparse_mma_w4_fold
 
         return run_sparse_mma_w4_fold(x, words, meta, s, z, n=n, group=group, tiles_per_slice=c.block_w // 8,
-                                      row_blocks=c.row_blocks, warps=c.warps, depth=c.prefetch, workspace=ws)
+                                      row_blocks=c.row_blocks, warps=c.warps, k_warps=c.k_warps, depth=c.prefetch,
+                                     workspace=ws)
     if s is not None:
         return run_sparse_mma_w4(x, words, meta, s, z, n=n, group=group, tiles_per_slice=c.block_w // 8,
                                  row_blocks=c.row_blocks, warps=c.warps, depth=c.prefetch, workspace=ws)
@@ -884,7 +906,8 @@ def run_sparse_mma(x, words, meta, c: WordConfig, *, n: int, s=None, z=None, gro
         from ._sparse_mma import run_sparse_mma_stripe
 
         return run_sparse_mma_stripe(x, words, meta, n=n, stripe=c.stripe, tiles_per_slice=c.block_w // 8,
-                                     row_blocks=c.row_blocks, warps=c.warps, depth=c.prefetch, workspace=ws)
+                                     row_blocks=c.row_blocks, warps=c.warps, k_warps=c.k_warps, depth=c.prefetch,
+                                     workspace=ws)
     return run(x, words, meta, n=n, tiles_per_slice=c.block_w // 8, row_blocks=c.row_blocks, warps=c.warps,
                depth=c.prefetch, workspace=ws)
 

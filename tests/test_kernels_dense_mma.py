@@ -243,7 +243,9 @@ def test_folded_rows_are_offered_at_1_to_4_rows_and_refuse_bad_arguments(offered
                            group=128, n=64, k=256)
     one, four, five = offered
     folded = _word.dense_mma_w4_fold_candidates(4, 64, 256, torch.device("cpu"))
-    assert folded and all(c.dense_mma and c.fold and c.block_n == 8 * c.warps for c in folded)
+    assert folded and all(c.dense_mma and c.fold and c.block_n == 8 * c.warps // c.k_warps for c in folded)
+    along_k = [c for c in folded if c.k_warps > 1]  # [Note: warps along K]: a program covers all of this short K
+    assert along_k and all(c.block_w // 16 % c.k_warps == 0 and c.split_k == 1 for c in along_k)
     assert four == _word.dense_mma_w4_candidates(4, 64, 256, torch.device("cpu")) + folded
     assert any(c.fold for c in one) and not any(c.fold for c in five)
     x = torch.zeros(2, 256, dtype=torch.bfloat16)
@@ -253,18 +255,24 @@ def test_folded_rows_are_offered_at_1_to_4_rows_and_refuse_bad_arguments(offered
     with pytest.raises(ValueError, match="at most 4 rows of x"):
         run(torch.zeros(5, 256, dtype=torch.bfloat16), words, s, None, n=64, group=128, stripes_per_slice=2,
             row_blocks=1, warps=4, workspace=None)
+    with pytest.raises(ValueError, match="k_warps a divisor"):
+        run(x, words, s, None, n=64, group=128, stripes_per_slice=2, row_blocks=1, warps=8, k_warps=4,
+            workspace=None)
     with pytest.raises(ValueError, match="workspace"):
         run(x, words, s, None, n=64, group=128, stripes_per_slice=1, row_blocks=1, warps=4, workspace=None)
 
 
-@pytest.mark.parametrize("q,depth,warps,zeros,group,even", [(4, 1, 4, True, 128, True), (8, 0, 4, False, 256, False),
-                                                            (4, 0, 4, True, 128, False)])
-def test_folded_rows_compile_for_hopper_to_four_mmas_a_stripe(tmp_path, q, depth, warps, zeros, group, even):
+@pytest.mark.parametrize("q,wk,depth,warps,zeros,group,even,partial", [
+    (4, 1, 1, 4, True, 128, True, True), (8, 1, 0, 4, False, 256, False, True), (4, 1, 0, 4, True, 128, False, True),
+    (4, 8, 1, 8, True, 128, True, False), (4, 4, 1, 8, False, 256, False, True)])
+def test_folded_rows_compile_for_hopper_to_four_mmas_a_stripe(tmp_path, q, wk, depth, warps, zeros, group, even,
+                                                              partial):
     """[Note: INT4 GEMV with folded rows]: 4 MMAs a stripe and block (one weight row of 8 a lane, 32 columns an MMA),
     a bf16 subtraction a code pair, one 16-byte load a stripe of the lane's row for each block loaded; the unused
-    sums never added; nothing spilled."""
-    const = dict(Q=q, DEPTH=depth, num_warps=warps, HAS_ZEROS=zeros, GROUP=group, EVEN_K=even, PARTIAL=True, FIX_K=4,
-                 ROW_BLOCKS=4)
+    sums never added; nothing spilled. A program that covers all of ``K`` (with warps along ``K``, [Note: warps along
+    K]) has no fix-up: no atomics."""
+    const = dict(Q=q, WK=wk, DEPTH=depth, num_warps=warps, HAS_ZEROS=zeros, GROUP=group, EVEN_K=even,
+                 PARTIAL=partial, FIX_K=4, ROW_BLOCKS=4)
     got = compile_gemv_kernel(tmp_path, "dense_mma_w4_fold_kernel", const)
     ops = [op for op, _ in got["ops"]]
     mmas = ops.count("HMMA.16816.F32.BF16")  # a block's stripes, once or twice (ptxas may peel the last iteration)
@@ -274,6 +282,18 @@ def test_folded_rows_compile_for_hopper_to_four_mmas_a_stripe(tmp_path, q, depth
     assert not any(op == "FADD" and "-RZ" in rest for op, rest in got["ops"])
     assert got["stack"] == 0 and got["local"] == 0 and got["regs"] <= 255
     assert not any(op.startswith(("LDL", "STL")) for op in ops)
+    assert any(op.startswith("ATOMG") for op in ops) == partial
+
+
+@pytest.mark.parametrize("tile", _word.DENSE_MMA_FOLD_K_TILES)
+def test_folded_rows_with_warps_along_k_fit_their_registers(tmp_path, tile):
+    """[Note: fold warps along K]: each tile of the table compiles for sm_90 with nothing spilled, in the registers
+    its program's warps can have on one SM (65,536 a thread block)."""
+    stripes, warps, wk, depth = tile
+    const = dict(Q=stripes // wk, WK=wk, DEPTH=depth, num_warps=warps, HAS_ZEROS=True, GROUP=128, EVEN_K=False,
+                 PARTIAL=False, FIX_K=4, ROW_BLOCKS=4)
+    got = compile_gemv_kernel(tmp_path, "dense_mma_w4_fold_kernel", const)
+    assert got["stack"] == 0 and got["local"] == 0 and got["regs"] * 32 * warps <= 65536
 
 
 def test_bad_arguments_are_refused_before_launch():
