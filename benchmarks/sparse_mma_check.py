@@ -8,8 +8,9 @@ Small integer weights and activations (exact in bf16, and every sum exact in fp3
 masked), ``K`` not a multiple of a slice (tiles past ``K`` masked), 1 to 8 rows of ``x``, one and several slices,
 none, one or two blocks loaded ahead, whole and partial runs of rows; each output lands on memory just filled with
 NaN, so an element left unwritten fails. 2:4 + INT4: random codes, with and without zero points, scales that are
-powers of two (so that the reference's bf16 weights are exact), groups of 64, 128 and 256 original columns. Prints one
-line per case and exits non-zero on any mismatch.
+powers of two (so that the reference's bf16 weights are exact), groups of 64, 128 and 256 original columns; with folded
+rows also 4 to 16 warps along K ([Note: fold warps along K] in kernels/_dense_mma_kernels.py). Prints one line per
+case and exits non-zero on any mismatch.
 """
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ W4_CASES = ((16, 128, 1, 4, 128, True), (64, 512, 8, 4, 128, False), (200, 384, 
             (200, 320, 4, 2, 64, True), (96, 448, 8, 4, 64, False), (1000, 8192, 1, 16, 64, True))
 # (N, K, M, tiles per slice, group of original columns, zero points): stripes of 4 tiles for groups of 128 and
 # 256 columns, of 2 for 64 ([Note: INT4 stripes]); slices with a partial last one
+
+FOLD_K_CONFIGS = ((8, 1, 1, 8), (8, 2, 1, 4), (16, 1, 1, 16), (4, 2, 0, 4))  # (warps, row blocks, blocks ahead,
+# warps along K)
 
 W4_FOLD_CASES = ((16, 128, 1, 4, 128, True), (64, 512, 4, 8, 128, False), (200, 384, 3, 8, 128, True),
                  (1000, 1024, 2, 8, 256, True), (1024, 8192, 1, 32, 128, True), (2048, 8192, 4, 16, 128, False),
@@ -114,15 +118,18 @@ def check_w4(ws, *, fold: bool = False) -> int:
     run = run_sparse_mma_w4_fold if fold else run_sparse_mma_w4
     for n, k, m, kt, group, zeros in W4_FOLD_CASES if fold else W4_CASES:
         x, codes, meta, scales, z, ref = _w4_case(n, k, m, group, zeros)
-        for warps, rb, depth in CONFIGS:
+        # with folded rows also warps along K, each taking the case's tiles ([Note: fold warps along K])
+        for warps, rb, depth, wk in [c + (1,) for c in CONFIGS] + (list(FOLD_K_CONFIGS) if fold else []):
             depth = min(depth, 1)  # the 2:4 + INT4 GEMVs load at most one block ahead
+            along = {"k_warps": wk} if fold else {}
             torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)  # freed: the output lands on it
             out = run(x, codes.view(torch.int32), meta.view(torch.int16), scales, z, n=n, group=group,
-                      tiles_per_slice=kt, row_blocks=rb, warps=warps, depth=depth, workspace=ws).float()
+                      tiles_per_slice=kt * wk, row_blocks=rb, warps=warps, depth=depth, workspace=ws,
+                      **along).float()
             ok, verdict = _verdict(out, ref)
             bad += not ok
-            print(f"2:4+INT4{' folded' if fold else ''} g{group} zeros={zeros} N={n} K={k} M={m} tiles/slice={kt} "
-                  f"warps={warps} row blocks={rb} ahead={depth}: {verdict}", flush=True)
+            print(f"2:4+INT4{' folded' if fold else ''} g{group} zeros={zeros} N={n} K={k} M={m} tiles/slice={kt * wk} "
+                  f"warps={warps} along K={wk} row blocks={rb} ahead={depth}: {verdict}", flush=True)
     return bad
 
 

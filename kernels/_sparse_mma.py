@@ -51,20 +51,20 @@ def sparse_mma_fits(x: torch.Tensor, words: torch.Tensor, meta: torch.Tensor | N
 
 
 def _setup(name: str, x: torch.Tensor, like: torch.Tensor, *, n: int, tiles_per_slice: int, row_blocks: int,
-           warps: int, workspace, warp_rows: int = 16):
+           warps: int, workspace, warp_rows: int = 16, k_warps: int = 1):
     """``(tiles, split, run, out, partials, counters, fix_k)`` of a launch, its arguments checked first; a warp
-    takes ``warp_rows`` weight rows of a block."""
+    takes ``warp_rows`` weight rows of a block, ``k_warps`` of the warps splitting the slice instead."""
     m, k = x.shape
     tiles = k // TILE_K
     split = cdiv(tiles, tiles_per_slice)
     if tiles_per_slice < 2 or tiles_per_slice & (tiles_per_slice - 1) or row_blocks < 1 \
-            or row_blocks & (row_blocks - 1) or warps not in (1, 2, 4, 8):
+            or row_blocks & (row_blocks - 1) or warps not in (1, 2, 4, 8, 16) or k_warps < 1 or warps % k_warps:
         raise ValueError(f"{name}: tiles_per_slice must be a power of two from 2 (two tiles share a metadata "
-                         f"register), row_blocks a power of two, warps 1, 2, 4 or 8; got {tiles_per_slice}, "
-                         f"{row_blocks}, {warps}")
+                         f"register), row_blocks a power of two, warps 1, 2, 4, 8 or 16 and k_warps a divisor of "
+                         f"them; got {tiles_per_slice}, {row_blocks}, {warps}, {k_warps}")
     if split > 1 and workspace is None:
         raise ValueError(f"{name}: more than one slice of K needs the fix-up workspace (partials, counters)")
-    run = warp_rows * warps * row_blocks
+    run = warp_rows * warps // k_warps * row_blocks
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
     parts, counters = workspace if split > 1 else (out, like)
     return tiles, split, run, out, parts, counters, max(1, min(16, 4096 // run))
@@ -232,21 +232,23 @@ def sparse_mma_w4_fold_fits(x: torch.Tensor, codes: torch.Tensor, meta: torch.Te
 
 def run_sparse_mma_w4_fold(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, s: torch.Tensor,
                            z: torch.Tensor | None, *, n: int, group: int, tiles_per_slice: int, row_blocks: int,
-                           warps: int, depth: int = 0,
+                           warps: int, k_warps: int = 1, depth: int = 0,
                            workspace: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """2:4 + INT4 with folded rows (:func:`sparse_mma_w4_fold_fits`): operands as :func:`run_sparse_mma_w4`;
-    ``tiles_per_slice`` counts 32-column tiles (a power of two from 4: whole pairs of MMAs, 128 columns),
-    ``row_blocks`` blocks of ``8 * warps`` weight rows, ``depth`` 0 or 1 blocks loaded ahead."""
-    if depth not in (0, 1) or tiles_per_slice < 4:
+    ``tiles_per_slice`` counts 32-column tiles of a program (a power of two from 4: whole pairs of MMAs, 128 columns,
+    for each of the ``k_warps`` warps splitting them, [Note: fold warps along K] in ``_dense_mma_kernels``),
+    ``row_blocks`` blocks of ``8 * warps / k_warps`` weight rows, ``depth`` 0 or 1 blocks loaded ahead."""
+    if depth not in (0, 1) or k_warps < 1 or tiles_per_slice < 4 * k_warps:
         raise ValueError(f"run_sparse_mma_w4_fold: depth must be 0 or 1 and tiles_per_slice at least 4 (a pair of "
-                         f"MMAs), got {depth}, {tiles_per_slice}")
+                         f"MMAs) a warp along K, got {depth}, {tiles_per_slice}, {k_warps} warps along K")
     m = x.shape[0]
     if m > FOLD_M or group % 128:
         raise ValueError(f"run_sparse_mma_w4_fold: at most {FOLD_M} rows of x and groups of a multiple of 128 "
                          f"columns, got {m} rows, groups of {group}; use run_sparse_mma_w4")
     tiles, split, run, out, parts, counters, fix_k = _setup("run_sparse_mma_w4_fold", x, codes, n=n,
                                                             tiles_per_slice=tiles_per_slice, row_blocks=row_blocks,
-                                                            warps=warps, workspace=workspace, warp_rows=8)
+                                                            warps=warps, workspace=workspace, warp_rows=8,
+                                                            k_warps=k_warps)
     zz = z if z is not None else s
     lanes = codes.view(torch.int64)  # a lane's 8 code bytes of a pair of MMAs
     meta32 = meta.view(torch.int32)
@@ -254,8 +256,9 @@ def run_sparse_mma_w4_fold(x: torch.Tensor, codes: torch.Tensor, meta: torch.Ten
     _kernels().sparse_mma_w4_fold_kernel[(cdiv(n, run), split)](
         x.view(torch.int32), lanes, meta32, s, zz, parts, counters, out, m, n, tiles // 4, split,
         x.stride(0) // 2, lanes.stride(0), meta32.stride(0), s.stride(0), zz.stride(0), out.stride(0),
-        GROUP=group, HAS_ZEROS=z is not None, KP=tiles_per_slice // 4, ROW_BLOCKS=row_blocks, DEPTH=depth,
-        EVEN_K=tiles % tiles_per_slice == 0, PARTIAL=split > 1, FIX_K=fix_k, ASM=asm, ASM_IO=io, num_warps=warps)
+        GROUP=group, HAS_ZEROS=z is not None, KP=tiles_per_slice // 4 // k_warps, WK=k_warps, ROW_BLOCKS=row_blocks,
+        DEPTH=depth, EVEN_K=tiles % tiles_per_slice == 0, PARTIAL=split > 1, FIX_K=fix_k, ASM=asm, ASM_IO=io,
+        num_warps=warps)
     return out
 
 

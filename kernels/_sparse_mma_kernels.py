@@ -862,7 +862,7 @@ def _w4_fold_block(w_ptr, meta_ptr, s_ptr, z_ptr, rows, w_row, a_col, m_col, g_c
 @gluon.jit
 def sparse_mma_w4_fold_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_ptr, M, N, PAIRS, SPLIT,
                               stride_xm, stride_wn, stride_mn, stride_sn, stride_zn, stride_om, GROUP: gl.constexpr,
-                              HAS_ZEROS: gl.constexpr, KP: gl.constexpr, ROW_BLOCKS: gl.constexpr,
+                              HAS_ZEROS: gl.constexpr, KP: gl.constexpr, WK: gl.constexpr, ROW_BLOCKS: gl.constexpr,
                               DEPTH: gl.constexpr, EVEN_K: gl.constexpr, PARTIAL: gl.constexpr, FIX_K: gl.constexpr,
                               ASM: gl.constexpr, ASM_IO: gl.constexpr, num_warps: gl.constexpr):
     """2:4 + INT4 with folded rows: ``out[M, N] = x @ densify(dequant(codes), meta)^T`` for ``M <= 4`` ([Note: 2:4
@@ -872,16 +872,20 @@ def sparse_mma_w4_fold_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, co
     of each pair of MMAs (128 columns), block ``8t + 4m + j`` being ``A`` register ``j`` of MMA ``m``; ``meta_ptr``:
     the positions (N, K / 8) uint8 read as int32, 4 words a pair; ``s_ptr`` / ``z_ptr``: scales and zero points
     (uint8; ``HAS_ZEROS`` false: 8) per (row, group of ``GROUP`` original columns, a multiple of 128). ``PAIRS = K /
-    128``; ``KP`` pairs a slice; ``ASM`` / ``ASM_IO``: ``w4_fold_asm()``; the rest as ``sparse_mma_fold_kernel``."""
+    128``; ``KP`` pairs a warp, ``WK`` warps along ``K`` by ``num_warps / WK`` along the rows, a program covering
+    ``WK * KP`` pairs ([Note: fold warps along K] in ``_dense_mma_kernels``); ``ASM`` / ``ASM_IO``:
+    ``w4_fold_asm()``; the rest as ``sparse_mma_fold_kernel``."""
+    WR: gl.constexpr = num_warps // WK  # warps along the rows
+    KPW: gl.constexpr = KP * WK  # pairs a program
     L4: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, KP, 4], threads_per_warp=[1, 32, 1, 1],
-                                        warps_per_cta=[num_warps, 1, 1, 1], order=[3, 2, 1, 0])
+                                        warps_per_cta=[WR, 1, WK, 1], order=[3, 2, 1, 0])
     M3: gl.constexpr = gl.SliceLayout(3, L4)  # one value a pair: codes, zero point, scale
     O2: gl.constexpr = gl.SliceLayout(2, M3)  # one value a lane: its sum
-    ROWS: gl.constexpr = 8 * num_warps
+    ROWS: gl.constexpr = 8 * WR
 
     pid_k = gl.program_id(1)
     u = _along4(4, 3, L4)  # slot u of a pair: MMA u // 2 (B), position word u
-    pair = pid_k * KP + _along4(KP, 2, L4)
+    pair = pid_k * KPW + _along4(KPW, 2, L4)
     lane = _along4(32, 1, L4)
     g = lane // 4
     t = lane % 4
@@ -892,8 +896,8 @@ def sparse_mma_w4_fold_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, co
     sel = gl.zeros_like(b0) + (t + 16 * (t + 4))
 
     lane3 = _along3(32, 1, M3)
-    w_row = 8 * _along3(num_warps, 0, M3) + lane3 // 4
-    pair3 = pid_k * KP + _along3(KP, 2, M3)
+    w_row = 8 * _along3(WR, 0, M3) + lane3 // 4
+    pair3 = pid_k * KPW + _along3(KPW, 2, M3)
     if EVEN_K:
         pc = pair
     else:  # pairs past K read the last one (x is zero there)
@@ -903,7 +907,7 @@ def sparse_mma_w4_fold_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, co
     m_col = pc * 4 + u
     g_col = pair3 // (GROUP // 128)
 
-    o_row, o_m = _fold_slots(num_warps, O2)
+    o_row, o_m = _fold_slots(WR, O2)
     pid_r = gl.program_id(0)
     row0 = pid_r * (ROWS * ROW_BLOCKS)
     if DEPTH == 1:
@@ -923,8 +927,9 @@ def sparse_mma_w4_fold_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, co
         nz4 = gl.broadcast(gl.expand_dims((z | 0xC300) * 0x10001, 3), pos)[0]  # -(128 + zero) in both halves
         d = gl.inline_asm_elementwise(ASM, ASM_IO, [codes4, b0, b1, b2, b3, pos, nz4, sel], dtype=gl.float32,
                                       is_pure=True, pack=4)
-        # slot 0 of each pair holds its sum in units of the group's scale (the others -0.0, split off)
-        d = gl.split(gl.reshape(d, [num_warps, 32, KP, 2, 2]))[0]
+        # slot 0 of each pair holds its sum in units of the group's scale (the others -0.0, split off); with warps
+        # along K the pairs' sum meets across them in shared memory
+        d = gl.split(gl.reshape(d, [WR, 32, KPW, 2, 2]))[0]
         acc = gl.sum(gl.convert_layout(gl.split(d)[0], M3) * scale, axis=2)  # (the same registers, renamed)
         row = rows + o_row
         _store_sums(acc, out_ptr, part_ptr, row, o_m, (o_m < M) & (row < N), N, SPLIT, pid_k, stride_om, PARTIAL)

@@ -713,12 +713,18 @@ def sparse_mma_fold_candidates(m: int, n: int, k: int, device: torch.device) -> 
 # warps, one block ahead) (sm_90 SASS: 90-240 registers, none spilled)
 SPARSE_MMA_W4_FOLD_TILES = ((32, 4, 1), (32, 2, 1), (16, 8, 0), (16, 8, 1), (16, 4, 1), (16, 4, 0), (8, 4, 1),
                             (64, 4, 0))
+# the same with warps along K (tiles a program, warps, of them along K, blocks loaded ahead; [Note: fold warps along K]
+# in _dense_mma_kernels): 16-32 tiles a warp as above, a program covering 4096-8192 columns of K
+SPARSE_MMA_W4_FOLD_K_TILES = ((256, 16, 16, 1), (128, 8, 8, 1), (256, 8, 8, 1), (128, 16, 16, 1), (128, 4, 4, 1))
 
 
 def sparse_mma_w4_fold_candidates(m: int, n: int, k: int, device: torch.device) -> list[WordConfig]:
     """Configs of 2:4 + INT4 with folded rows (the caller checks ``_sparse_mma.sparse_mma_w4_fold_fits``): as
-    :func:`sparse_mma_fold_candidates` over ``SPARSE_MMA_W4_FOLD_TILES``."""
-    return sparse_mma_candidates(m, n, k, device, SPARSE_MMA_W4_FOLD_TILES, warp_rows=8, min_tiles=4, fold=True)
+    :func:`sparse_mma_fold_candidates` over ``SPARSE_MMA_W4_FOLD_TILES``, then with warps along ``K`` over
+    ``SPARSE_MMA_W4_FOLD_K_TILES``."""
+    out = sparse_mma_candidates(m, n, k, device, SPARSE_MMA_W4_FOLD_TILES, warp_rows=8, min_tiles=4, fold=True)
+    return out + [c for c in _fold_along_k(m, n, k // 32, device, SPARSE_MMA_W4_FOLD_K_TILES, words=8, least=4,
+                                           sparse_mma=True) if c not in out]
 
 
 def sparse_mma_w4_candidates(m: int, n: int, k: int, group: int, device: torch.device) -> list[WordConfig]:
@@ -789,19 +795,29 @@ def dense_mma_w4_fold_candidates(m: int, n: int, k: int, device: torch.device) -
     table = tuple((4 * q, warps, depth) for q, warps, depth in DENSE_MMA_FOLD_TILES)
     out = [replace(c, block_w=c.block_w // 2, sparse_mma=False, dense_mma=True)
            for c in sparse_mma_candidates(m, n, k, device, table, warp_rows=8, min_tiles=4, fold=True)]
-    stripes = k // 128
+    return out + [c for c in _fold_along_k(m, n, k // 128, device, DENSE_MMA_FOLD_K_TILES, words=16, least=1,
+                                           dense_mma=True) if c not in out]
+
+
+def _fold_along_k(m: int, n: int, units: int, device: torch.device, table: tuple, *, words: int, least: int,
+                  **kind: bool) -> list[WordConfig]:
+    """Configs with folded rows and warps along ``K`` ([Note: fold warps along K] in ``_dense_mma_kernels``): each
+    ``(units a program, warps, of them along K, blocks loaded ahead)`` of ``table`` over ``units`` slices of ``K``
+    (stripes or tiles, ``words`` words of a row each in ``block_w``, at least ``least`` a warp), with every run of
+    row blocks (8 weight rows for each warp along the rows) that gives half a wave of programs or more: programs of
+    8-16 warps run one or two an SM, and a full wave is often just short."""
     sms = _sm_count(device.index or 0)
-    for qp, warps, wk, depth in DENSE_MMA_FOLD_K_TILES:
-        qp = min(qp, max(wk, 1 << (stripes - 1).bit_length()))  # a short K: one slice of all its stripes
-        split = cdiv(stripes, qp)
+    out = []
+    for per, warps, wk, depth in table:
+        per = min(per, max(least * wk, 1 << (units - 1).bit_length()))  # a short K: one slice of all of it
+        split = cdiv(units, per)
         if split > 1 and m * split * n > STATIONARY_WORKSPACE:
             continue
         rows = 8 * warps // wk
-        # programs of 8-16 warps: one or two an SM, so from half a wave on (a full one is often just short)
         runs = [rb for rb in SPARSE_MMA_RUNS + (32,) if 2 * split * cdiv(n, rows * rb) >= sms
                 and cdiv(n, rows * rb) <= WORKSPACE_COUNTERS] or [1]
-        out += [c for c in (WordConfig(1, rows, 16 * qp, split, warps, prefetch=depth, row_blocks=rb,
-                                       dense_mma=True, k_warps=wk, fold=True) for rb in runs) if c not in out]
+        out += [c for c in (WordConfig(1, rows, words * per, split, warps, prefetch=depth, row_blocks=rb, k_warps=wk,
+                                       fold=True, **kind) for rb in runs) if c not in out]
     return out
 
 
@@ -893,7 +909,7 @@ def run_sparse_mma(x, words, meta, c: WordConfig, *, n: int, s=None, z=None, gro
 
         return run_sparse_mma_w4_fold(x, words, meta, s, z, n=n, group=group, tiles_per_slice=c.block_w // 8,
                                       row_blocks=c.row_blocks, warps=c.warps, k_warps=c.k_warps, depth=c.prefetch,
-                                     workspace=ws)
+                                      workspace=ws)
     if s is not None:
         return run_sparse_mma_w4(x, words, meta, s, z, n=n, group=group, tiles_per_slice=c.block_w // 8,
                                  row_blocks=c.row_blocks, warps=c.warps, depth=c.prefetch, workspace=ws)
@@ -906,8 +922,7 @@ def run_sparse_mma(x, words, meta, c: WordConfig, *, n: int, s=None, z=None, gro
         from ._sparse_mma import run_sparse_mma_stripe
 
         return run_sparse_mma_stripe(x, words, meta, n=n, stripe=c.stripe, tiles_per_slice=c.block_w // 8,
-                                     row_blocks=c.row_blocks, warps=c.warps, k_warps=c.k_warps, depth=c.prefetch,
-                                     workspace=ws)
+                                     row_blocks=c.row_blocks, warps=c.warps, depth=c.prefetch, workspace=ws)
     return run(x, words, meta, n=n, tiles_per_slice=c.block_w // 8, row_blocks=c.row_blocks, warps=c.warps,
                depth=c.prefetch, workspace=ws)
 

@@ -56,6 +56,7 @@ if kernel_name == "sparse_mma_fold_kernel":  # plain 2:4, folded rows: 64-bit ha
     w_dtype, m_dtype = torch.int64, torch.int64
 if kernel_name == "sparse_mma_w4_fold_kernel":  # 2:4 + INT4, folded rows: a lane's 8 code bytes of a pair, the asm
     const["ASM"], const["ASM_IO"] = _sparse_mma_kernels.w4_fold_asm()
+    const.setdefault("WK", 1)
     w_dtype = torch.int64
 if kernel_name == "dense_mma_w4_kernel":  # INT4 words, x gathered as int16, the stripe's asm
     const["ASM"], const["ASM_IO"] = _dense_mma_kernels.w4_dense_asm(const["NT"])

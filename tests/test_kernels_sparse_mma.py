@@ -195,8 +195,13 @@ def test_2_4_int4_with_folded_rows_fits_groups_of_128_columns_and_1_to_4_rows(mo
     with pytest.raises(ValueError, match="depth must be 0 or 1"):
         _sparse_mma.run_sparse_mma_w4_fold(x, codes, meta, s, None, n=64, group=128, tiles_per_slice=8,
                                            row_blocks=1, warps=4, depth=2, workspace=None)
+    with pytest.raises(ValueError, match="a warp along K"):
+        _sparse_mma.run_sparse_mma_w4_fold(x, codes, meta, s, None, n=64, group=128, tiles_per_slice=8,
+                                           row_blocks=1, warps=4, k_warps=4, workspace=None)
     got = _word.sparse_mma_w4_fold_candidates(1, 8192, 8192, torch.device("cuda", 0))
-    assert got and all(c.fold and c.block_n == 8 * c.warps and c.block_w // 8 >= 4 for c in got)
+    assert got and all(c.fold and c.block_n == 8 * c.warps // c.k_warps and c.block_w // 8 >= 4 * c.k_warps
+                       for c in got)
+    assert any(c.k_warps > 1 and c.split_k == 1 for c in got)  # a program over all of K ([Note: fold warps along K])
 
 
 def test_2_4_int4_slices_must_hold_whole_stripes():
@@ -458,14 +463,18 @@ def test_folded_rows_compile_for_hopper_to_mmas_on_their_loads(tmp_path, kt, war
     assert not any(op == "FADD" and "-RZ" in rest for op, rest in got["ops"])
 
 
-@pytest.mark.parametrize("kt,warps,zeros,group,depth,even", [(16, 4, True, 128, 1, True), (32, 2, False, 256, 1, False),
-                                                              (16, 8, True, 128, 0, True)])
-def test_2_4_int4_folded_rows_compile_for_hopper(tmp_path, kt, warps, zeros, group, depth, even):
+@pytest.mark.parametrize("kt,warps,wk,zeros,group,depth,even", [
+    (16, 4, 1, True, 128, 1, True), (32, 2, 1, False, 256, 1, False), (16, 8, 1, True, 128, 0, True),
+    (16, 16, 16, True, 128, 1, True), (32, 8, 8, False, 128, 1, False)])
+def test_2_4_int4_folded_rows_compile_for_hopper(tmp_path, kt, warps, wk, zeros, group, depth, even):
     """[Note: 2:4 folded rows] for 2:4 + INT4: one ``mma.sp`` per 64 columns, a pair's selectors sharing a metadata
     register; each ``A`` register ``code - zero`` by one bf16 subtraction; a lane's codes of a pair one 8-byte load
-    and the pair's positions one 16-byte load, for each block loaded; the unused sums never added; nothing spilled."""
-    got = _compiled(tmp_path, "sparse_mma_w4_fold_kernel", KP=kt // 4, DEPTH=depth, EVEN_K=even, GROUP=group,
+    and the pair's positions one 16-byte load, for each block loaded; the unused sums never added; nothing spilled.
+    With ``wk`` warps along ``K`` (``kt`` tiles each, [Note: fold warps along K] in ``_dense_mma_kernels``) the same
+    a warp, in the registers a program's warps can have on one SM."""
+    got = _compiled(tmp_path, "sparse_mma_w4_fold_kernel", KP=kt // 4, WK=wk, DEPTH=depth, EVEN_K=even, GROUP=group,
                     HAS_ZEROS=zeros, num_warps=warps)
+    assert got["regs"] * 32 * warps <= 65536
     _one_sparse_mma_per_tile(got, kt // 2)
     ops = [op for op, _ in got["ops"]]
     assert sum(op.startswith(("HADD2.BF16", "HFMA2.BF16")) for op in ops) == 4 * (kt // 2)
