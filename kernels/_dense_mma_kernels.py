@@ -100,6 +100,13 @@ and 4096x6144 2.80x (2.60x); on the larger shapes the choice is within the runs'
 2.90-2.99x). On an H200 (run 201) 4096x4096 went from 2.11x to 2.53x; the other shapes kept their configs.
 2:4 + INT4 with folded rows (``sparse_mma_w4_fold_kernel``) splits its pairs of MMAs the same way: on an H100 (run
 202) 4096x4096 went from 2.45x to 3.14x and 4096x6144 from 2.81x to 3.20x, the larger shapes as before.
+The reduction across the warps a block at a time puts four barriers in every iteration (sm_90 SASS), which keep a
+program's warps in step. With ``LATE`` each warp stores its own sums of every block in shared memory instead (one
+barrier an iteration, which Triton puts before the store), and they are added across the warps once, after the last
+block: on an H100 (run 204, the tuner timing both) 8192x28672 ran 3.18x (54.3 us, the
+same config a block at a time 57.4 us), 28672x8192 3.10x and 14336x4096 2.90x (18.2 against 19.3 us) with 4 warps
+along ``K`` and late sums, while 4096x4096 and 4096x6144 keep the reduction a block at a time (run 203: 2.44x late
+against 2.75x).
 """
 from __future__ import annotations
 
@@ -339,15 +346,35 @@ def _w4_fold_rows(w_ptr, s_ptr, z_ptr, rows, w_row, a_col, s_row, g_col, N, stri
 
 
 @gluon.jit
+def _fold_k_sums(sums, out_ptr, part_ptr, row0, M, N, SPLIT, pid_k, stride_om, ROW_BLOCKS: gl.constexpr,
+                 WR: gl.constexpr, WK: gl.constexpr, PARTIAL: gl.constexpr, num_warps: gl.constexpr):
+    """With folded rows and warps along ``K`` ([Note: fold warps along K]): the warps' sums of every block
+    (``sums``, shared memory ``(ROW_BLOCKS, WR, 32, WK)``: lane ``4g + t`` of the row warp's block, weight row ``8 *
+    (row warp) + g`` times row ``t`` of ``x``), added across the ``WK`` warps along ``K`` and stored."""
+    FL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, WK], threads_per_warp=[1, 32, 1],
+                                        warps_per_cta=[num_warps, 1, 1], order=[2, 1, 0])
+    F2: gl.constexpr = gl.SliceLayout(2, FL)
+    wr = gl.arange(0, WR, layout=gl.SliceLayout(1, F2))[:, None]
+    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, F2))[None, :]
+    o_m = lane % 4 + 0 * wr
+    for blk in range(ROW_BLOCKS):
+        row = row0 + blk * (8 * WR) + 8 * wr + lane // 4
+        _store_sums(gl.sum(sums.index(blk).load(FL), axis=2), out_ptr, part_ptr, row, o_m, (o_m < M) & (row < N), N,
+                    SPLIT, pid_k, stride_om, PARTIAL)
+
+
+@gluon.jit
 def dense_mma_w4_fold_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_ptr, M, N, STRIPES, SPLIT,
                              stride_xm, stride_wn, stride_sn, stride_zn, stride_om, GROUP: gl.constexpr,
                              HAS_ZEROS: gl.constexpr, Q: gl.constexpr, WK: gl.constexpr, ROW_BLOCKS: gl.constexpr,
                              DEPTH: gl.constexpr, EVEN_K: gl.constexpr, PARTIAL: gl.constexpr, FIX_K: gl.constexpr,
-                             ASM: gl.constexpr, ASM_IO: gl.constexpr, num_warps: gl.constexpr):
+                             LATE: gl.constexpr, ASM: gl.constexpr, ASM_IO: gl.constexpr, num_warps: gl.constexpr):
     """INT4 with folded rows: ``out[M, N] = x @ dequant(words)^T`` for ``M <= 4`` ([Note: INT4 GEMV with folded
     rows]). Operands as ``dense_mma_w4_kernel``; a program owns ``WK * Q`` stripes, ``Q`` a warp, its warps ``WK``
     along ``K`` by ``num_warps / WK`` along the rows ([Note: fold warps along K]), each of those taking 8 weight rows of
-    each block; ``ASM`` / ``ASM_IO``: ``w4_dense_fold_asm()``."""
+    each block; ``LATE`` (with ``WK`` > 1): each warp's sums of every block kept in shared memory and added across
+    the warps along ``K`` once, after the last block, instead of a block at a time; ``ASM`` / ``ASM_IO``:
+    ``w4_dense_fold_asm()``."""
     WR: gl.constexpr = num_warps // WK  # warps along the rows
     QW: gl.constexpr = Q * WK  # stripes a program
     L4: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, Q, 4], threads_per_warp=[1, 32, 1, 1],
@@ -383,6 +410,9 @@ def dense_mma_w4_fold_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, ou
     o_row, o_m = _fold_slots(WR, O2)
     pid_r = gl.program_id(0)
     row0 = pid_r * (ROWS * ROW_BLOCKS)
+    if LATE:  # each warp's sums of every block, added across the warps along K once, after the last block
+        PL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])  # (of a block's buffer)
+        sums = gl.allocate_shared_memory(gl.float32, [ROW_BLOCKS, WR, 32, WK], PL)
     if DEPTH == 1:
         nxt = _w4_fold_rows(w_ptr, s_ptr, z_ptr, row0, w_row, a_col, s_row, g_col, N, stride_wn, stride_sn,
                             stride_zn, HAS_ZEROS)
@@ -398,12 +428,19 @@ def dense_mma_w4_fold_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, ou
                                             stride_sn, stride_zn, HAS_ZEROS)
         nz = gl.broadcast(gl.expand_dims((z | 0xC300) * 0x10001, 3), words)[0]  # -(128 + zero) in both halves
         d = gl.inline_asm_elementwise(ASM, ASM_IO, [words, b0, b1, nz], dtype=gl.float32, is_pure=True, pack=4)
-        # slot 0 of each stripe holds its sum in units of the group's scale (the others -0.0, split off); with
-        # warps along K the stripes' sum meets across them in shared memory
+        # slot 0 of each stripe holds its sum in units of the group's scale (the others -0.0, split off)
         d = gl.split(gl.reshape(d, [WR, 32, QW, 2, 2]))[0]
-        acc = gl.sum(gl.convert_layout(gl.split(d)[0], Q3) * scale, axis=2)
-        row = rows + o_row
-        _store_sums(acc, out_ptr, part_ptr, row, o_m, (o_m < M) & (row < N), N, SPLIT, pid_k, stride_om, PARTIAL)
+        d = gl.convert_layout(gl.split(d)[0], Q3) * scale
+        if LATE:  # the warp's own stripes only: stripe kw * Q + j of the program is warp kw's j
+            sums.index(blk).store(gl.sum(gl.reshape(d, [WR, 32, WK, Q]), axis=3))
+        else:  # with warps along K the stripes' sum meets across them in shared memory, a block at a time
+            row = rows + o_row
+            _store_sums(gl.sum(d, axis=2), out_ptr, part_ptr, row, o_m, (o_m < M) & (row < N), N, SPLIT, pid_k,
+                        stride_om, PARTIAL)
+    if LATE:
+        _cta_barrier()
+        _fold_k_sums(sums, out_ptr, part_ptr, row0, M, N, SPLIT, pid_k, stride_om, ROW_BLOCKS, WR, WK, PARTIAL,
+                     num_warps)
     if PARTIAL:
         finish_run(part_ptr, count_ptr, out_ptr, pid_r, row0, 0, M, N, SPLIT, stride_om, ROWS * ROW_BLOCKS, FIX_K,
                    num_warps)

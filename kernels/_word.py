@@ -131,6 +131,8 @@ class WordConfig:
     fold: bool = False  # sparse_mma (plain 2:4, 2:4 + INT4) or dense_mma, 1-4 rows of x: the kernels with folded
     # rows ([Note: 2:4 folded rows] in _sparse_mma_kernels, [Note: INT4 GEMV with folded rows] in _dense_mma_kernels);
     # block_n = 8 x warps weight rows a block
+    late_sums: bool = False  # dense_mma, fold, k_warps > 1: the warps' sums of every block added across them once,
+    # after the last block ([Note: fold warps along K] in _dense_mma_kernels)
 
 
 @functools.cache
@@ -795,8 +797,9 @@ def dense_mma_w4_fold_candidates(m: int, n: int, k: int, device: torch.device) -
     table = tuple((4 * q, warps, depth) for q, warps, depth in DENSE_MMA_FOLD_TILES)
     out = [replace(c, block_w=c.block_w // 2, sparse_mma=False, dense_mma=True)
            for c in sparse_mma_candidates(m, n, k, device, table, warp_rows=8, min_tiles=4, fold=True)]
-    return out + [c for c in _fold_along_k(m, n, k // 128, device, DENSE_MMA_FOLD_K_TILES, words=16, least=1,
-                                           dense_mma=True) if c not in out]
+    along_k = [c for c in _fold_along_k(m, n, k // 128, device, DENSE_MMA_FOLD_K_TILES, words=16, least=1,
+                                        dense_mma=True) if c not in out]
+    return out + along_k + [replace(c, late_sums=True) for c in along_k]
 
 
 def _fold_along_k(m: int, n: int, units: int, device: torch.device, table: tuple, *, words: int, least: int,
@@ -836,7 +839,7 @@ def run_dense_mma(x, words, s, z, c: WordConfig, *, n: int, group: int) -> torch
 
         return run_dense_mma_w4_fold(x, words, s, z, n=n, group=group, stripes_per_slice=c.block_w // 16,
                                      row_blocks=c.row_blocks, warps=c.warps, k_warps=c.k_warps, depth=c.prefetch,
-                                     workspace=ws)
+                                     late_sums=c.late_sums, workspace=ws)
     return run_dense_mma_w4(x, words, s, z, n=n, group=group, stripes_per_slice=c.block_w // 16,
                             row_blocks=c.row_blocks, warps=c.warps, k_warps=c.k_warps, depth=c.prefetch,
                             x_shared=c.x_shared, workspace=ws)

@@ -64,6 +64,7 @@ if kernel_name == "dense_mma_w4_kernel":  # INT4 words, x gathered as int16, the
 if kernel_name == "dense_mma_w4_fold_kernel":  # the same with folded rows
     const["ASM"], const["ASM_IO"] = _dense_mma_kernels.w4_dense_fold_asm()
     const.setdefault("WK", 1)
+    const.setdefault("LATE", False)
     w_dtype, x_dtype = torch.int32, torch.int16
 n, k = 8192, 8192
 values = dict(x_ptr=torch.empty(1, dtype=x_dtype), w_ptr=torch.empty(1, dtype=w_dtype),
