@@ -114,7 +114,7 @@ def run_dense_mma_w4_fold(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor,
                           workspace: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """INT4 ``x @ dequant(words)^T`` with folded rows (:func:`dense_mma_w4_fits`, at most :data:`FOLD_M` rows of
     ``x``): ``stripes_per_slice`` stripes of 128 columns a program (a power of two), ``k_warps`` of the ``warps``
-    splitting them ([Note: warps along K] in ``_dense_mma_kernels``), ``row_blocks`` blocks of ``8 * warps /
+    splitting them ([Note: fold warps along K] in ``_dense_mma_kernels``), ``row_blocks`` blocks of ``8 * warps /
     k_warps`` weight rows (a power of two), ``depth`` 0 or 1 of them loaded ahead; ``late_sums`` (with ``k_warps`` >
     1): the warps' sums added once after the last block, not a block at a time."""
     q, rb = stripes_per_slice, row_blocks
