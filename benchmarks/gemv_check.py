@@ -6,7 +6,7 @@ to 4 rows).
 
     python benchmarks/gemv_check.py [--ms 1 4] [--shapes 8192x8192 8192x28672 28672x8192] [--formats w4 w8 s24]
                                     [--kinds tile stationary tma mma mma_stripe mma_fold dense dense_xs dense_fold]
-                                    [--json F]
+                                    [--late-sums 1 2] [--json F]
 
 For each shape (K x N), format (INT4 g128 with zero points, INT8, plain 2:4 by magnitude) and row count:
 checks each kernel against the reference, tunes each over its own candidates ([Note: kernel tuning] in
@@ -47,8 +47,12 @@ def main() -> None:
     p.add_argument("--kinds", nargs="*", default=["tile", "stationary", "tma"],
                    choices=["tile", "stationary", "tma", "mma", "mma_stripe", "mma_fold", "dense", "dense_xs",
                             "dense_fold"])
+    p.add_argument("--late-sums", type=int, nargs="*", default=list(_word.FOLD_LATE_SUMS), choices=[1, 2],
+                   help="with warps along K and folded rows (dense_fold, mma_fold), the ways of adding the warps' sums "
+                        "after the last block to time beside a block at a time: 1 shared memory, 2 registers")
     p.add_argument("--json")
     args = p.parse_args()
+    late = tuple(args.late_sums)
     print(torch.cuda.get_device_name(), flush=True)
     rows = []
     for k, n in args.shapes:
@@ -97,14 +101,15 @@ def main() -> None:
                                                            if f == _word.FMT_S24W4 else 1) if gemm
                          else [],
                          "dense": [c for c in dense if not c.x_shared], "dense_xs": [c for c in dense if c.x_shared],
-                         "dense_fold": _word.dense_mma_w4_fold_candidates(m, n, k, x.device) if dense and m <= 4
+                         "dense_fold": _word.dense_mma_w4_fold_candidates(m, n, k, x.device, late=late)
+                         if dense and m <= 4
                          else [],  # [Note: INT4 GEMV with folded rows]
                          "mma_stripe": [c for c in _word.sparse_mma_stripe_candidates(m, n, k, x.device)
                                         if _sparse_mma.sparse_mma_stripe_fits(x, words, sp.meta, c.stripe)]
                          if mma else [],  # [Note: 2:4 stripes]
                          "mma_fold": _word.sparse_mma_fold_candidates(m, n, k, x.device)
                          if mma and _sparse_mma.sparse_mma_fold_fits(x, words, sp.meta)
-                         else _word.sparse_mma_w4_fold_candidates(m, n, k, x.device)
+                         else _word.sparse_mma_w4_fold_candidates(m, n, k, x.device, late=late)
                          if mma_w4 and _sparse_mma.sparse_mma_w4_fold_fits(x, words, meta, s, z, group=group)
                          else []}  # [Note: 2:4 folded rows]
                 for kind, cands in kinds.items():
@@ -133,6 +138,7 @@ def main() -> None:
                     best = cands[timed[0][1]]
                     tuning = time.perf_counter() - start
                     row[f"{kind}_runners_up"] = [(round(t * 1e3, 1), str(cands[i])) for t, i in timed[1:4]]
+                    row[f"{kind}_timed"] = [(round(t * 1e3, 2), str(cands[i])) for t, i in timed]
                     ms = graph_time_ms(lambda: launch(best))
                     err = max(err, ((launch(best).float() - ref).abs().max() / ref.abs().max()).item())
                     row[f"{kind}_us"] = ms * 1e3
@@ -143,9 +149,9 @@ def main() -> None:
                           f"({base * 1e3:.1f} us); rel err {err:.1e}; tuned {len(cands)} in {tuning:.0f} s: {best}",
                           flush=True)
                 rows.append(row)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
+                if args.json:  # after each row, so that a run cut short keeps what it measured
+                    with open(args.json, "w") as fh:
+                        json.dump(rows, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -118,10 +118,12 @@ def check_w4(ws, *, fold: bool = False) -> int:
     run = run_sparse_mma_w4_fold if fold else run_sparse_mma_w4
     for n, k, m, kt, group, zeros in W4_FOLD_CASES if fold else W4_CASES:
         x, codes, meta, scales, z, ref = _w4_case(n, k, m, group, zeros)
-        # with folded rows also warps along K, each taking the case's tiles ([Note: fold warps along K])
-        for warps, rb, depth, wk in [c + (1,) for c in CONFIGS] + (list(FOLD_K_CONFIGS) if fold else []):
+        # with folded rows also warps along K, each taking the case's tiles ([Note: fold warps along K]), their sums
+        # added a block at a time, or after the last block from shared memory or registers
+        for warps, rb, depth, wk, late in [c + (1, 0) for c in CONFIGS] + (
+                [c + (late,) for c in FOLD_K_CONFIGS for late in (0, 1, 2)] if fold else []):
             depth = min(depth, 1)  # the 2:4 + INT4 GEMVs load at most one block ahead
-            along = {"k_warps": wk} if fold else {}
+            along = {"k_warps": wk, "late_sums": late} if fold else {}
             torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)  # freed: the output lands on it
             out = run(x, codes.view(torch.int32), meta.view(torch.int16), scales, z, n=n, group=group,
                       tiles_per_slice=kt * wk, row_blocks=rb, warps=warps, depth=depth, workspace=ws,
@@ -129,7 +131,8 @@ def check_w4(ws, *, fold: bool = False) -> int:
             ok, verdict = _verdict(out, ref)
             bad += not ok
             print(f"2:4+INT4{' folded' if fold else ''} g{group} zeros={zeros} N={n} K={k} M={m} tiles/slice={kt * wk} "
-                  f"warps={warps} along K={wk} row blocks={rb} ahead={depth}: {verdict}", flush=True)
+                  f"warps={warps} along K={wk} late sums={late} row blocks={rb} ahead={depth}: {verdict}",
+                  flush=True)
     return bad
 
 

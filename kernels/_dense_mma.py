@@ -110,19 +110,20 @@ FOLD_M = 4  # rows of x with folded rows: two of the MMA's 8 columns a row ([Not
 
 def run_dense_mma_w4_fold(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, *, n: int,
                           group: int, stripes_per_slice: int, row_blocks: int, warps: int, k_warps: int = 1,
-                          depth: int = 0, late_sums: bool = False,
+                          depth: int = 0, late_sums: int = 0,
                           workspace: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """INT4 ``x @ dequant(words)^T`` with folded rows (:func:`dense_mma_w4_fits`, at most :data:`FOLD_M` rows of
     ``x``): ``stripes_per_slice`` stripes of 128 columns a program (a power of two), ``k_warps`` of the ``warps``
     splitting them ([Note: fold warps along K] in ``_dense_mma_kernels``), ``row_blocks`` blocks of ``8 * warps /
     k_warps`` weight rows (a power of two), ``depth`` 0 or 1 of them loaded ahead; ``late_sums`` (with ``k_warps`` >
-    1): the warps' sums added once after the last block, not a block at a time."""
+    1): the warps' sums added once after the last block, not a block at a time, kept until then in shared memory (1)
+    or in registers (2)."""
     q, rb = stripes_per_slice, row_blocks
     if q < 1 or q & (q - 1) or rb < 1 or rb & (rb - 1) or warps not in (1, 2, 4, 8, 16) or depth not in (0, 1) \
-            or k_warps < 1 or warps % k_warps or q % k_warps:
+            or k_warps < 1 or warps % k_warps or q % k_warps or late_sums not in (0, 1, 2):
         raise ValueError(f"run_dense_mma_w4_fold: stripes_per_slice and row_blocks must be powers of two, warps 1, "
-                         f"2, 4, 8 or 16, k_warps a divisor of both warps and stripes_per_slice, depth 0 or 1; got "
-                         f"{q}, {rb}, {warps}, {k_warps}, {depth}")
+                         f"2, 4, 8 or 16, k_warps a divisor of both warps and stripes_per_slice, depth 0 or 1, "
+                         f"late_sums 0, 1 or 2; got {q}, {rb}, {warps}, {k_warps}, {depth}, {late_sums}")
     m = x.shape[0]
     if m > FOLD_M or group % STRIPE_K:
         raise ValueError(f"run_dense_mma_w4_fold: at most {FOLD_M} rows of x and groups of a multiple of "
@@ -136,6 +137,6 @@ def run_dense_mma_w4_fold(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor,
         x.view(torch.int16), words, s, zz, parts, counters, out, m, n, stripes, split,
         x.stride(0), words.stride(0), s.stride(0), zz.stride(0), out.stride(0),
         GROUP=group, HAS_ZEROS=z is not None, Q=q // k_warps, WK=k_warps, ROW_BLOCKS=rb, DEPTH=depth,
-        EVEN_K=stripes % q == 0, PARTIAL=split > 1, FIX_K=max(1, min(16, 4096 // run)), LATE=late_sums and k_warps > 1,
-        ASM=asm, ASM_IO=io, num_warps=warps)
+        EVEN_K=stripes % q == 0, PARTIAL=split > 1, FIX_K=max(1, min(16, 4096 // run)),
+        LATE=late_sums if k_warps > 1 else 0, ASM=asm, ASM_IO=io, num_warps=warps)
     return out

@@ -106,7 +106,12 @@ barrier an iteration, which Triton puts before the store), and they are added ac
 block: on an H100 (run 204, the tuner timing both) 8192x28672 ran 3.18x (54.3 us, the
 same config a block at a time 57.4 us), 28672x8192 3.10x and 14336x4096 2.90x (18.2 against 19.3 us) with 4 warps
 along ``K`` and late sums, while 4096x4096 and 4096x6144 keep the reduction a block at a time (run 203: 2.44x late
-against 2.75x).
+against 2.75x). 2:4 + INT4 with folded rows (``sparse_mma_w4_fold_kernel``) takes the same ``LATE`` (run 206,
+H100: 4096x4096 at one row picked it: 6.1 us in the tuner's timing, the best config a block at a time 6.4).
+``LATE = 2`` keeps a lane's sum of every block in registers instead (a ``where`` a block, ``ROW_BLOCKS`` registers),
+so the loop has no barrier at all (sm_90 SASS), and adds them across the warps once at the end. It is exact on the GPU
+(runs 205-206), but with it among the INT4 candidates the decode benchmark ran 2.35x where the same machine ran 2.50x
+without it (runs 207-208), so the tuner offers it only where asked for (``_word.FOLD_LATE_SUMS``).
 """
 from __future__ import annotations
 
@@ -115,7 +120,8 @@ import functools
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ._sparse_mma_kernels import _along3, _along4, _cta_barrier, _fold_slots, _store_sums, finish_run, group_params
+from ._sparse_mma_kernels import (_along3, _along4, _cta_barrier, _fold_end, _fold_slots, _keep_sums,
+                                  _late_sums_keeper, _store_sums, finish_run, group_params)
 
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 
@@ -346,24 +352,6 @@ def _w4_fold_rows(w_ptr, s_ptr, z_ptr, rows, w_row, a_col, s_row, g_col, N, stri
 
 
 @gluon.jit
-def _fold_k_sums(sums, out_ptr, part_ptr, row0, M, N, SPLIT, pid_k, stride_om, ROW_BLOCKS: gl.constexpr,
-                 WR: gl.constexpr, WK: gl.constexpr, PARTIAL: gl.constexpr, num_warps: gl.constexpr):
-    """With folded rows and warps along ``K`` ([Note: fold warps along K]): the warps' sums of every block
-    (``sums``, shared memory ``(ROW_BLOCKS, WR, 32, WK)``: lane ``4g + t`` of the row warp's block, weight row ``8 *
-    (row warp) + g`` times row ``t`` of ``x``), added across the ``WK`` warps along ``K`` and stored."""
-    FL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, WK], threads_per_warp=[1, 32, 1],
-                                        warps_per_cta=[num_warps, 1, 1], order=[2, 1, 0])
-    F2: gl.constexpr = gl.SliceLayout(2, FL)
-    wr = gl.arange(0, WR, layout=gl.SliceLayout(1, F2))[:, None]
-    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, F2))[None, :]
-    o_m = lane % 4 + 0 * wr
-    for blk in range(ROW_BLOCKS):
-        row = row0 + blk * (8 * WR) + 8 * wr + lane // 4
-        _store_sums(gl.sum(sums.index(blk).load(FL), axis=2), out_ptr, part_ptr, row, o_m, (o_m < M) & (row < N), N,
-                    SPLIT, pid_k, stride_om, PARTIAL)
-
-
-@gluon.jit
 def dense_mma_w4_fold_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_ptr, M, N, STRIPES, SPLIT,
                              stride_xm, stride_wn, stride_sn, stride_zn, stride_om, GROUP: gl.constexpr,
                              HAS_ZEROS: gl.constexpr, Q: gl.constexpr, WK: gl.constexpr, ROW_BLOCKS: gl.constexpr,
@@ -410,9 +398,8 @@ def dense_mma_w4_fold_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, ou
     o_row, o_m = _fold_slots(WR, O2)
     pid_r = gl.program_id(0)
     row0 = pid_r * (ROWS * ROW_BLOCKS)
-    if LATE:  # each warp's sums of every block, added across the warps along K once, after the last block
-        PL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])  # (of a block's buffer)
-        sums = gl.allocate_shared_memory(gl.float32, [ROW_BLOCKS, WR, 32, WK], PL)
+    # with LATE, each warp's sums of every block, added across the warps along K once, after the last block
+    kept, which = _late_sums_keeper(ROW_BLOCKS, WR, WK, LATE)
     if DEPTH == 1:
         nxt = _w4_fold_rows(w_ptr, s_ptr, z_ptr, row0, w_row, a_col, s_row, g_col, N, stride_wn, stride_sn,
                             stride_zn, HAS_ZEROS)
@@ -431,16 +418,11 @@ def dense_mma_w4_fold_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, ou
         # slot 0 of each stripe holds its sum in units of the group's scale (the others -0.0, split off)
         d = gl.split(gl.reshape(d, [WR, 32, QW, 2, 2]))[0]
         d = gl.convert_layout(gl.split(d)[0], Q3) * scale
-        if LATE:  # the warp's own stripes only: stripe kw * Q + j of the program is warp kw's j
-            sums.index(blk).store(gl.sum(gl.reshape(d, [WR, 32, WK, Q]), axis=3))
+        if LATE > 0:  # the warp's own stripes only: stripe kw * Q + j of the program is warp kw's j
+            kept = _keep_sums(kept, which, d, blk, WR, WK, LATE)
         else:  # with warps along K the stripes' sum meets across them in shared memory, a block at a time
             row = rows + o_row
             _store_sums(gl.sum(d, axis=2), out_ptr, part_ptr, row, o_m, (o_m < M) & (row < N), N, SPLIT, pid_k,
                         stride_om, PARTIAL)
-    if LATE:
-        _cta_barrier()
-        _fold_k_sums(sums, out_ptr, part_ptr, row0, M, N, SPLIT, pid_k, stride_om, ROW_BLOCKS, WR, WK, PARTIAL,
-                     num_warps)
-    if PARTIAL:
-        finish_run(part_ptr, count_ptr, out_ptr, pid_r, row0, 0, M, N, SPLIT, stride_om, ROWS * ROW_BLOCKS, FIX_K,
-                   num_warps)
+    _fold_end(kept, out_ptr, part_ptr, count_ptr, pid_r, row0, M, N, SPLIT, pid_k, stride_om, ROWS * ROW_BLOCKS,
+              ROW_BLOCKS, WR, WK, PARTIAL, FIX_K, LATE, num_warps)

@@ -232,15 +232,18 @@ def sparse_mma_w4_fold_fits(x: torch.Tensor, codes: torch.Tensor, meta: torch.Te
 
 def run_sparse_mma_w4_fold(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, s: torch.Tensor,
                            z: torch.Tensor | None, *, n: int, group: int, tiles_per_slice: int, row_blocks: int,
-                           warps: int, k_warps: int = 1, depth: int = 0,
+                           warps: int, k_warps: int = 1, depth: int = 0, late_sums: int = 0,
                            workspace: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """2:4 + INT4 with folded rows (:func:`sparse_mma_w4_fold_fits`): operands as :func:`run_sparse_mma_w4`;
     ``tiles_per_slice`` counts 32-column tiles of a program (a power of two from 4: whole pairs of MMAs, 128 columns,
     for each of the ``k_warps`` warps splitting them, [Note: fold warps along K] in ``_dense_mma_kernels``),
-    ``row_blocks`` blocks of ``8 * warps / k_warps`` weight rows, ``depth`` 0 or 1 blocks loaded ahead."""
-    if depth not in (0, 1) or k_warps < 1 or tiles_per_slice < 4 * k_warps:
-        raise ValueError(f"run_sparse_mma_w4_fold: depth must be 0 or 1 and tiles_per_slice at least 4 (a pair of "
-                         f"MMAs) a warp along K, got {depth}, {tiles_per_slice}, {k_warps} warps along K")
+    ``row_blocks`` blocks of ``8 * warps / k_warps`` weight rows, ``depth`` 0 or 1 blocks loaded ahead; ``late_sums``
+    (with ``k_warps`` > 1): the warps' sums of every block added across them once, after the last block, kept until
+    then in shared memory (1) or in registers (2)."""
+    if depth not in (0, 1) or k_warps < 1 or tiles_per_slice < 4 * k_warps or late_sums not in (0, 1, 2):
+        raise ValueError(f"run_sparse_mma_w4_fold: depth must be 0 or 1, tiles_per_slice at least 4 (a pair of "
+                         f"MMAs) a warp along K and late_sums 0, 1 or 2, got {depth}, {tiles_per_slice}, {k_warps} "
+                         f"warps along K, {late_sums}")
     m = x.shape[0]
     if m > FOLD_M or group % 128:
         raise ValueError(f"run_sparse_mma_w4_fold: at most {FOLD_M} rows of x and groups of a multiple of 128 "
@@ -257,8 +260,8 @@ def run_sparse_mma_w4_fold(x: torch.Tensor, codes: torch.Tensor, meta: torch.Ten
         x.view(torch.int32), lanes, meta32, s, zz, parts, counters, out, m, n, tiles // 4, split,
         x.stride(0) // 2, lanes.stride(0), meta32.stride(0), s.stride(0), zz.stride(0), out.stride(0),
         GROUP=group, HAS_ZEROS=z is not None, KP=tiles_per_slice // 4 // k_warps, WK=k_warps, ROW_BLOCKS=row_blocks,
-        DEPTH=depth, EVEN_K=tiles % tiles_per_slice == 0, PARTIAL=split > 1, FIX_K=fix_k, ASM=asm, ASM_IO=io,
-        num_warps=warps)
+        DEPTH=depth, EVEN_K=tiles % tiles_per_slice == 0, PARTIAL=split > 1, FIX_K=fix_k,
+        LATE=late_sums if k_warps > 1 else 0, ASM=asm, ASM_IO=io, num_warps=warps)
     return out
 
 

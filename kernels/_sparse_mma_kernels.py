@@ -410,6 +410,94 @@ def _store_sums(acc, out_ptr, part_ptr, row, o_m, mask, N, SPLIT, pid_k, stride_
 
 
 @gluon.jit
+def _fold_k_sums(sums, out_ptr, part_ptr, row0, M, N, SPLIT, pid_k, stride_om, ROW_BLOCKS: gl.constexpr,
+                 WR: gl.constexpr, WK: gl.constexpr, PARTIAL: gl.constexpr, num_warps: gl.constexpr):
+    """With folded rows and warps along ``K`` ([Note: fold warps along K]): the warps' sums of every block
+    (``sums``, shared memory ``(ROW_BLOCKS, WR, 32, WK)``: lane ``4g + t`` of the row warp's block, weight row ``8 *
+    (row warp) + g`` times row ``t`` of ``x``), added across the ``WK`` warps along ``K`` and stored."""
+    FL: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, WK], threads_per_warp=[1, 32, 1],
+                                        warps_per_cta=[num_warps, 1, 1], order=[2, 1, 0])
+    F2: gl.constexpr = gl.SliceLayout(2, FL)
+    wr = gl.arange(0, WR, layout=gl.SliceLayout(1, F2))[:, None]
+    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, F2))[None, :]
+    o_m = lane % 4 + 0 * wr
+    for blk in range(ROW_BLOCKS):
+        row = row0 + blk * (8 * WR) + 8 * wr + lane // 4
+        _store_sums(gl.sum(sums.index(blk).load(FL), axis=2), out_ptr, part_ptr, row, o_m, (o_m < M) & (row < N), N,
+                    SPLIT, pid_k, stride_om, PARTIAL)
+
+
+@gluon.jit
+def _held_sums(held, out_ptr, part_ptr, row0, M, N, SPLIT, pid_k, stride_om, WR: gl.constexpr, PARTIAL: gl.constexpr):
+    """With folded rows and warps along ``K`` ([Note: fold warps along K] in ``_dense_mma_kernels``): the warps' sums
+    of every block held in registers (``held``, ``(ROW_BLOCKS, WR, 32, WK)``, lane ``4g + t`` of the row warp's
+    block: weight row ``8 * (row warp) + g`` times row ``t`` of ``x``), added across the ``WK`` warps along ``K`` and
+    stored."""
+    tot = gl.sum(held, axis=3)
+    L3: gl.constexpr = tot.type.layout
+    lane = _along3(32, 2, L3)
+    o_m = lane % 4
+    row = row0 + _along3(held.shape[0], 0, L3) * (8 * WR) + 8 * _along3(WR, 1, L3) + lane // 4
+    _store_sums(tot, out_ptr, part_ptr, row, o_m, (o_m < M) & (row < N), N, SPLIT, pid_k, stride_om, PARTIAL)
+
+
+@gluon.jit
+def _late_sums_keeper(ROW_BLOCKS: gl.constexpr, WR: gl.constexpr, WK: gl.constexpr, LATE: gl.constexpr):
+    """Where a program with folded rows and warps along ``K`` keeps its warps' sums of every block until the last
+    ([Note: fold warps along K] in ``_dense_mma_kernels``): ``LATE`` 1, shared memory ``(ROW_BLOCKS, WR, 32, WK)``;
+    2, registers of that shape (a lane's sum of each block), zeroed; 0, nowhere (``0``). Returns it and, for 2, each
+    register's block."""
+    if LATE == 0:
+        return 0, 0
+    elif LATE == 1:
+        PL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])  # (of a block's buffer)
+        return gl.allocate_shared_memory(gl.float32, [ROW_BLOCKS, WR, 32, WK], PL), 0
+    else:
+        RL: gl.constexpr = gl.BlockedLayout(size_per_thread=[ROW_BLOCKS, 1, 1, 1], threads_per_warp=[1, 1, 32, 1],
+                                            warps_per_cta=[1, WR, 1, WK], order=[3, 2, 1, 0])
+        return gl.zeros([ROW_BLOCKS, WR, 32, WK], gl.float32, RL), _along4(ROW_BLOCKS, 0, RL)
+
+
+@gluon.jit
+def _keep_sums(kept, which, d, blk, WR: gl.constexpr, WK: gl.constexpr, LATE: gl.constexpr):
+    """Keeps block ``blk``'s sums of a warp's own slices (``d``: ``(WR, 32, WK * per warp)``, slice ``kw * per + j``
+    being warp ``kw``'s ``j``) in ``kept`` (:func:`_late_sums_keeper`); returns ``kept``."""
+    own = gl.sum(gl.reshape(d, [WR, 32, WK, d.shape[2] // WK]), axis=3)
+    if LATE == 1:
+        kept.index(blk).store(own)
+    else:
+        own = gl.convert_layout(own, gl.SliceLayout(0, kept.type.layout))
+        kept = gl.where(which == blk, gl.expand_dims(own, 0), kept)
+    return kept
+
+
+@gluon.jit
+def _late_sums(kept, out_ptr, part_ptr, row0, M, N, SPLIT, pid_k, stride_om, ROW_BLOCKS: gl.constexpr,
+               WR: gl.constexpr, WK: gl.constexpr, PARTIAL: gl.constexpr, LATE: gl.constexpr, num_warps: gl.constexpr):
+    """After the last block: the kept sums (:func:`_late_sums_keeper`) added across the warps along ``K`` and
+    stored."""
+    if LATE == 1:
+        _cta_barrier()
+        _fold_k_sums(kept, out_ptr, part_ptr, row0, M, N, SPLIT, pid_k, stride_om, ROW_BLOCKS, WR, WK, PARTIAL,
+                     num_warps)
+    else:
+        _held_sums(kept, out_ptr, part_ptr, row0, M, N, SPLIT, pid_k, stride_om, WR, PARTIAL)
+
+
+@gluon.jit
+def _fold_end(kept, out_ptr, part_ptr, count_ptr, pid_r, row0, M, N, SPLIT, pid_k, stride_om, RUN: gl.constexpr,
+              ROW_BLOCKS: gl.constexpr, WR: gl.constexpr, WK: gl.constexpr, PARTIAL: gl.constexpr, FIX_K: gl.constexpr,
+              LATE: gl.constexpr, num_warps: gl.constexpr):
+    """The end of a program with folded rows: the kept sums of every block stored (``LATE`` > 0, :func:`_late_sums`),
+    then with more than one slice of ``K`` the run's fix-up (:func:`finish_run`)."""
+    if LATE > 0:
+        _late_sums(kept, out_ptr, part_ptr, row0, M, N, SPLIT, pid_k, stride_om, ROW_BLOCKS, WR, WK, PARTIAL, LATE,
+                   num_warps)
+    if PARTIAL:
+        finish_run(part_ptr, count_ptr, out_ptr, pid_r, row0, 0, M, N, SPLIT, stride_om, RUN, FIX_K, num_warps)
+
+
+@gluon.jit
 def finish_run(part_ptr, count_ptr, out_ptr, run_index, row0, M0, M, N, SPLIT, stride_om, RUN: gl.constexpr,
                FIX_K: gl.constexpr, num_warps: gl.constexpr):
     """After a program stored its partials (``(rows of x, SPLIT, N)`` fp32) for weight rows ``row0 .. row0 + RUN -
@@ -864,7 +952,7 @@ def sparse_mma_w4_fold_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, co
                               stride_xm, stride_wn, stride_mn, stride_sn, stride_zn, stride_om, GROUP: gl.constexpr,
                               HAS_ZEROS: gl.constexpr, KP: gl.constexpr, WK: gl.constexpr, ROW_BLOCKS: gl.constexpr,
                               DEPTH: gl.constexpr, EVEN_K: gl.constexpr, PARTIAL: gl.constexpr, FIX_K: gl.constexpr,
-                              ASM: gl.constexpr, ASM_IO: gl.constexpr, num_warps: gl.constexpr):
+                              LATE: gl.constexpr, ASM: gl.constexpr, ASM_IO: gl.constexpr, num_warps: gl.constexpr):
     """2:4 + INT4 with folded rows: ``out[M, N] = x @ densify(dequant(codes), meta)^T`` for ``M <= 4`` ([Note: 2:4
     folded rows], [Note: 2:4 + INT4 on sparse tensor cores]).
 
@@ -873,8 +961,9 @@ def sparse_mma_w4_fold_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, co
     the positions (N, K / 8) uint8 read as int32, 4 words a pair; ``s_ptr`` / ``z_ptr``: scales and zero points
     (uint8; ``HAS_ZEROS`` false: 8) per (row, group of ``GROUP`` original columns, a multiple of 128). ``PAIRS = K /
     128``; ``KP`` pairs a warp, ``WK`` warps along ``K`` by ``num_warps / WK`` along the rows, a program covering
-    ``WK * KP`` pairs ([Note: fold warps along K] in ``_dense_mma_kernels``); ``ASM`` / ``ASM_IO``:
-    ``w4_fold_asm()``; the rest as ``sparse_mma_fold_kernel``."""
+    ``WK * KP`` pairs ([Note: fold warps along K] in ``_dense_mma_kernels``); ``LATE`` (with ``WK`` > 1): each warp's
+    sums of every block kept in shared memory and added across the warps along ``K`` once, after the last block;
+    ``ASM`` / ``ASM_IO``: ``w4_fold_asm()``; the rest as ``sparse_mma_fold_kernel``."""
     WR: gl.constexpr = num_warps // WK  # warps along the rows
     KPW: gl.constexpr = KP * WK  # pairs a program
     L4: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, KP, 4], threads_per_warp=[1, 32, 1, 1],
@@ -910,6 +999,8 @@ def sparse_mma_w4_fold_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, co
     o_row, o_m = _fold_slots(WR, O2)
     pid_r = gl.program_id(0)
     row0 = pid_r * (ROWS * ROW_BLOCKS)
+    # with LATE, each warp's sums of every block, added across the warps along K once, after the last block
+    kept, which = _late_sums_keeper(ROW_BLOCKS, WR, WK, LATE)
     if DEPTH == 1:
         nxt = _w4_fold_block(w_ptr, meta_ptr, s_ptr, z_ptr, row0, w_row, a_col, m_col, g_col, N, stride_wn, stride_mn,
                              stride_sn, stride_zn, HAS_ZEROS)
@@ -927,12 +1018,14 @@ def sparse_mma_w4_fold_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, co
         nz4 = gl.broadcast(gl.expand_dims((z | 0xC300) * 0x10001, 3), pos)[0]  # -(128 + zero) in both halves
         d = gl.inline_asm_elementwise(ASM, ASM_IO, [codes4, b0, b1, b2, b3, pos, nz4, sel], dtype=gl.float32,
                                       is_pure=True, pack=4)
-        # slot 0 of each pair holds its sum in units of the group's scale (the others -0.0, split off); with warps
-        # along K the pairs' sum meets across them in shared memory
+        # slot 0 of each pair holds its sum in units of the group's scale (the others -0.0, split off)
         d = gl.split(gl.reshape(d, [WR, 32, KPW, 2, 2]))[0]
-        acc = gl.sum(gl.convert_layout(gl.split(d)[0], M3) * scale, axis=2)  # (the same registers, renamed)
-        row = rows + o_row
-        _store_sums(acc, out_ptr, part_ptr, row, o_m, (o_m < M) & (row < N), N, SPLIT, pid_k, stride_om, PARTIAL)
-    if PARTIAL:
-        finish_run(part_ptr, count_ptr, out_ptr, pid_r, row0, 0, M, N, SPLIT, stride_om, ROWS * ROW_BLOCKS, FIX_K,
-                   num_warps)
+        d = gl.convert_layout(gl.split(d)[0], M3) * scale  # (the same registers, renamed)
+        if LATE > 0:  # the warp's own pairs only: pair kw * KP + j of the program is warp kw's j
+            kept = _keep_sums(kept, which, d, blk, WR, WK, LATE)
+        else:  # with warps along K the pairs' sum meets across them in shared memory, a block at a time
+            row = rows + o_row
+            _store_sums(gl.sum(d, axis=2), out_ptr, part_ptr, row, o_m, (o_m < M) & (row < N), N, SPLIT, pid_k,
+                        stride_om, PARTIAL)
+    _fold_end(kept, out_ptr, part_ptr, count_ptr, pid_r, row0, M, N, SPLIT, pid_k, stride_om, ROWS * ROW_BLOCKS,
+              ROW_BLOCKS, WR, WK, PARTIAL, FIX_K, LATE, num_warps)

@@ -131,8 +131,9 @@ class WordConfig:
     fold: bool = False  # sparse_mma (plain 2:4, 2:4 + INT4) or dense_mma, 1-4 rows of x: the kernels with folded
     # rows ([Note: 2:4 folded rows] in _sparse_mma_kernels, [Note: INT4 GEMV with folded rows] in _dense_mma_kernels);
     # block_n = 8 x warps weight rows a block
-    late_sums: bool = False  # dense_mma, fold, k_warps > 1: the warps' sums of every block added across them once,
-    # after the last block ([Note: fold warps along K] in _dense_mma_kernels)
+    late_sums: int = 0  # fold (INT4, 2:4 + INT4), k_warps > 1: the warps' sums of every block added across them
+    # once, after the last block, kept until then in shared memory (1) or in registers (2) ([Note: fold warps along K]
+    # in _dense_mma_kernels); 0: a block at a time
 
 
 @functools.cache
@@ -719,14 +720,23 @@ SPARSE_MMA_W4_FOLD_TILES = ((32, 4, 1), (32, 2, 1), (16, 8, 0), (16, 8, 1), (16,
 # in _dense_mma_kernels): 16-32 tiles a warp as above, a program covering 4096-8192 columns of K
 SPARSE_MMA_W4_FOLD_K_TILES = ((256, 16, 16, 1), (128, 8, 8, 1), (256, 8, 8, 1), (128, 16, 16, 1), (128, 4, 4, 1))
 
+# the ways of adding the warps' sums after the last block (WordConfig.late_sums) that the tuner times beside the sums a
+# block at a time: kept in shared memory (1). Kept in registers (2) is exact (kernels runs 205-206, H100) and has no
+# barrier in the loop, but with it among the INT4 candidates the decode benchmark ran 2.35x where the same machine ran
+# 2.50x without it (runs 207-208; which picks changed was not recorded), so it is timed only where asked for
+# (benchmarks/gemv_check.py --late-sums 1 2)
+FOLD_LATE_SUMS = (1,)
 
-def sparse_mma_w4_fold_candidates(m: int, n: int, k: int, device: torch.device) -> list[WordConfig]:
+
+def sparse_mma_w4_fold_candidates(m: int, n: int, k: int, device: torch.device, *,
+                                  late: tuple[int, ...] = FOLD_LATE_SUMS) -> list[WordConfig]:
     """Configs of 2:4 + INT4 with folded rows (the caller checks ``_sparse_mma.sparse_mma_w4_fold_fits``): as
     :func:`sparse_mma_fold_candidates` over ``SPARSE_MMA_W4_FOLD_TILES``, then with warps along ``K`` over
-    ``SPARSE_MMA_W4_FOLD_K_TILES``."""
+    ``SPARSE_MMA_W4_FOLD_K_TILES``, their sums added a block at a time and in each way of ``late``."""
     out = sparse_mma_candidates(m, n, k, device, SPARSE_MMA_W4_FOLD_TILES, warp_rows=8, min_tiles=4, fold=True)
-    return out + [c for c in _fold_along_k(m, n, k // 32, device, SPARSE_MMA_W4_FOLD_K_TILES, words=8, least=4,
-                                           sparse_mma=True) if c not in out]
+    along_k = [c for c in _fold_along_k(m, n, k // 32, device, SPARSE_MMA_W4_FOLD_K_TILES, words=8, least=4,
+                                        sparse_mma=True) if c not in out]
+    return out + along_k + [replace(c, late_sums=way) for way in late for c in along_k]
 
 
 def sparse_mma_w4_candidates(m: int, n: int, k: int, group: int, device: torch.device) -> list[WordConfig]:
@@ -790,16 +800,18 @@ DENSE_MMA_FOLD_TILES = ((4, 4, 1), (4, 8, 1), (4, 4, 0), (8, 4, 1), (8, 4, 0), (
 DENSE_MMA_FOLD_K_TILES = ((32, 8, 8, 1), (64, 16, 16, 1), (16, 8, 8, 1), (32, 16, 16, 1), (16, 4, 4, 1), (32, 8, 4, 1))
 
 
-def dense_mma_w4_fold_candidates(m: int, n: int, k: int, device: torch.device) -> list[WordConfig]:
+def dense_mma_w4_fold_candidates(m: int, n: int, k: int, device: torch.device, *,
+                                 late: tuple[int, ...] = FOLD_LATE_SUMS) -> list[WordConfig]:
     """Configs of the INT4 GEMV with folded rows (the caller checks ``_dense_mma.dense_mma_w4_fits`` and at most 4
     rows): as :func:`sparse_mma_candidates` over ``DENSE_MMA_FOLD_TILES`` (a stripe: 4 tiles of 32 columns), blocks of
-    8 weight rows a warp; ``block_w // 16`` stripes a slice as in :func:`dense_mma_w4_candidates`."""
+    8 weight rows a warp; ``block_w // 16`` stripes a slice as in :func:`dense_mma_w4_candidates`; then with warps
+    along ``K`` over ``DENSE_MMA_FOLD_K_TILES``, their sums added a block at a time and in each way of ``late``."""
     table = tuple((4 * q, warps, depth) for q, warps, depth in DENSE_MMA_FOLD_TILES)
     out = [replace(c, block_w=c.block_w // 2, sparse_mma=False, dense_mma=True)
            for c in sparse_mma_candidates(m, n, k, device, table, warp_rows=8, min_tiles=4, fold=True)]
     along_k = [c for c in _fold_along_k(m, n, k // 128, device, DENSE_MMA_FOLD_K_TILES, words=16, least=1,
                                         dense_mma=True) if c not in out]
-    return out + along_k + [replace(c, late_sums=True) for c in along_k]
+    return out + along_k + [replace(c, late_sums=way) for way in late for c in along_k]
 
 
 def _fold_along_k(m: int, n: int, units: int, device: torch.device, table: tuple, *, words: int, least: int,
@@ -912,7 +924,7 @@ def run_sparse_mma(x, words, meta, c: WordConfig, *, n: int, s=None, z=None, gro
 
         return run_sparse_mma_w4_fold(x, words, meta, s, z, n=n, group=group, tiles_per_slice=c.block_w // 8,
                                       row_blocks=c.row_blocks, warps=c.warps, k_warps=c.k_warps, depth=c.prefetch,
-                                      workspace=ws)
+                                      late_sums=c.late_sums, workspace=ws)
     if s is not None:
         return run_sparse_mma_w4(x, words, meta, s, z, n=n, group=group, tiles_per_slice=c.block_w // 8,
                                  row_blocks=c.row_blocks, warps=c.warps, depth=c.prefetch, workspace=ws)

@@ -87,8 +87,10 @@ open(path, "wb").write(kernel.asm["cubin"])
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
 res = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
-ops = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", sass, flags=re.M)
-print(json.dumps({"ops": ops, "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
+found = re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", sass, flags=re.M)
+ops = [(op, rest) for _, op, rest in found]
+print(json.dumps({"ops": ops, "addrs": [int(addr, 16) for addr, _, _ in found],
+                  "stack": int(re.search(r"STACK:(\d+)", res).group(1)),
                   "local": int(re.search(r"LOCAL:(\d+)", res).group(1)),
                   "regs": int(re.search(r"REG:(\d+)", res).group(1))}))
 '''
@@ -96,5 +98,16 @@ print(json.dumps({"ops": ops, "stack": int(re.search(r"STACK:(\d+)", res).group(
 
 def compile_gemv_kernel(tmp_path: Path, kernel: str, const: dict) -> dict:
     """``kernel`` of the sparse or dense MMA kernels compiled for sm_90 with ``const``: ``ops`` ((opcode, operands)
-    of its SASS), ``stack``, ``local`` and ``regs``."""
+    of its SASS), ``addrs`` (their addresses), ``stack``, ``local`` and ``regs``."""
     return run_compile_script(_COMPILE, [kernel, json.dumps(const), str(tmp_path / f"{kernel}.cubin")], tmp_path)
+
+
+def loop_around(got: dict, prefix: str) -> list[str]:
+    """The opcodes of the loop around the first instruction starting with ``prefix`` in ``compile_gemv_kernel``'s
+    ``ops``: from the target of the backward branch that jumps over it to that branch; where ptxas unrolled the loop
+    whole (no such branch), from that instruction to the last one starting with ``prefix``."""
+    ops, addrs = [op for op, _ in got["ops"]], got["addrs"]
+    at = [i for i, op in enumerate(ops) if op.startswith(prefix)]
+    start, end = next(((addrs.index(int(rest, 16)), j) for j, (op, rest) in enumerate(got["ops"])
+                       if op == "BRA" and int(rest, 16) <= addrs[at[0]] < addrs[j]), (at[0], at[-1]))
+    return ops[start:end]

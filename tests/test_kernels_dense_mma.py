@@ -9,11 +9,12 @@ kernels runs 160-163 and 185-186)."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
 
-from tests.gemv_kernels import Picked, compile_gemv_kernel, record_offers
+from tests.gemv_kernels import Picked, compile_gemv_kernel, loop_around, record_offers
 from zspeed.kernels import KernelPolicy, _dense_mma, _word
 
 _kernels = pytest.importorskip("zspeed.kernels._dense_mma_kernels", reason="this triton has no Gluon")
@@ -246,8 +247,11 @@ def test_folded_rows_are_offered_at_1_to_4_rows_and_refuse_bad_arguments(offered
     assert folded and all(c.dense_mma and c.fold and c.block_n == 8 * c.warps // c.k_warps for c in folded)
     along_k = [c for c in folded if c.k_warps > 1]  # [Note: warps along K]: a program covers all of this short K
     assert along_k and all(c.block_w // 16 % c.k_warps == 0 and c.split_k == 1 for c in along_k)
-    late = [c for c in folded if c.late_sums]  # each config along K also with the sums added after the last block
-    assert late and all(c.k_warps > 1 for c in late) and len(late) * 2 == len(along_k)
+    late = [c for c in folded if c.late_sums]  # each config along K also with the sums added after the last block,
+    # by default from shared memory; from registers where asked for
+    assert late and all(c.k_warps > 1 and c.late_sums == 1 for c in late) and len(late) * 2 == len(along_k)
+    both = _word.dense_mma_w4_fold_candidates(4, 64, 256, torch.device("cpu"), late=(1, 2))
+    assert both == folded + [replace(c, late_sums=2) for c in late]
     assert four == _word.dense_mma_w4_candidates(4, 64, 256, torch.device("cpu")) + folded
     assert any(c.fold for c in one) and not any(c.fold for c in five)
     x = torch.zeros(2, 256, dtype=torch.bfloat16)
@@ -260,36 +264,42 @@ def test_folded_rows_are_offered_at_1_to_4_rows_and_refuse_bad_arguments(offered
     with pytest.raises(ValueError, match="k_warps a divisor"):
         run(x, words, s, None, n=64, group=128, stripes_per_slice=2, row_blocks=1, warps=8, k_warps=4,
             workspace=None)
+    with pytest.raises(ValueError, match="late_sums 0, 1 or 2"):
+        run(x, words, s, None, n=64, group=128, stripes_per_slice=2, row_blocks=1, warps=8, k_warps=2, late_sums=3,
+            workspace=None)
     with pytest.raises(ValueError, match="workspace"):
         run(x, words, s, None, n=64, group=128, stripes_per_slice=1, row_blocks=1, warps=4, workspace=None)
 
 
 @pytest.mark.parametrize("q,wk,depth,warps,zeros,group,even,partial,late", [
-    (4, 1, 1, 4, True, 128, True, True, False), (8, 1, 0, 4, False, 256, False, True, False),
-    (4, 1, 0, 4, True, 128, False, True, False), (4, 8, 1, 8, True, 128, True, False, False),
-    (4, 4, 1, 8, False, 256, False, True, False), (4, 16, 1, 16, True, 128, True, False, True)])
+    (4, 1, 1, 4, True, 128, True, True, 0), (8, 1, 0, 4, False, 256, False, True, 0),
+    (4, 1, 0, 4, True, 128, False, True, 0), (4, 8, 1, 8, True, 128, True, False, 0),
+    (4, 4, 1, 8, False, 256, False, True, 0), (4, 16, 1, 16, True, 128, True, False, 1),
+    (4, 4, 1, 4, True, 128, False, True, 2), (2, 16, 1, 16, False, 128, True, False, 2)])
 def test_folded_rows_compile_for_hopper_to_four_mmas_a_stripe(tmp_path, q, wk, depth, warps, zeros, group, even,
                                                               partial, late):
     """[Note: INT4 GEMV with folded rows]: 4 MMAs a stripe and block (one weight row of 8 a lane, 32 columns an MMA),
     a bf16 subtraction a code pair, one 16-byte load a stripe of the lane's row for each block loaded; the unused
     sums never added; nothing spilled. A program that covers all of ``K`` (with warps along ``K``, [Note: fold warps
-    along K]) has no fix-up: no atomics; with the warps' sums added after the last block, fewer barriers in the loop."""
+    along K]) has no fix-up: no atomics; with the warps' sums added after the last block (kept in shared memory or in
+    registers), fewer barriers in the loop."""
     const = dict(Q=q, WK=wk, DEPTH=depth, num_warps=warps, HAS_ZEROS=zeros, GROUP=group, EVEN_K=even,
                  PARTIAL=partial, FIX_K=4, ROW_BLOCKS=4, LATE=late)
     got = compile_gemv_kernel(tmp_path, "dense_mma_w4_fold_kernel", const)
     ops = [op for op, _ in got["ops"]]
-    mmas = ops.count("HMMA.16816.F32.BF16")  # a block's stripes, once or twice (ptxas may peel the last iteration)
-    assert mmas in (4 * q, 8 * q)
+    mmas = ops.count("HMMA.16816.F32.BF16")  # a block's stripes, once or twice (ptxas may peel the last iteration),
+    # or once a block (the loop unrolled whole)
+    assert mmas in (4 * q, 8 * q, 4 * q * const["ROW_BLOCKS"])
     assert sum(op.startswith(("HADD2.BF16", "HFMA2.BF16")) for op in ops) == 4 * mmas
-    assert ops.count("LDG.E.128") == q * (depth + 1)
+    whole = mmas == 4 * q * const["ROW_BLOCKS"] != 8 * q  # unrolled whole: each block's loads once
+    assert ops.count("LDG.E.128") == q * (const["ROW_BLOCKS"] if whole else depth + 1)
     assert not any(op == "FADD" and "-RZ" in rest for op, rest in got["ops"])
     assert got["stack"] == 0 and got["local"] == 0 and got["regs"] <= 255
     assert not any(op.startswith(("LDL", "STL")) for op in ops)
     assert any(op.startswith("ATOMG") for op in ops) == partial
-    if late:  # between the first MMA and the last, one barrier a copy of the loop's body (before the store of the
-        # block's sums to shared memory), where the sums a block at a time take four
-        first, last = ops.index("HMMA.16816.F32.BF16"), len(ops) - 1 - ops[::-1].index("HMMA.16816.F32.BF16")
-        assert ops[first:last].count("BAR.SYNC.DEFER_BLOCKING") <= mmas // (4 * q)
+    if wk > 1:  # in the loop over the blocks: the reduction's four barriers; one, before the store of the block's
+        # sums to shared memory; none, the sums held in registers
+        assert loop_around(got, "HMMA").count("BAR.SYNC.DEFER_BLOCKING") == {0: 4, 1: 1, 2: 0}[late]
 
 
 @pytest.mark.parametrize("tile", _word.DENSE_MMA_FOLD_K_TILES)
@@ -298,7 +308,7 @@ def test_folded_rows_with_warps_along_k_fit_their_registers(tmp_path, tile):
     its program's warps can have on one SM (65,536 a thread block)."""
     stripes, warps, wk, depth = tile
     const = dict(Q=stripes // wk, WK=wk, DEPTH=depth, num_warps=warps, HAS_ZEROS=True, GROUP=128, EVEN_K=False,
-                 PARTIAL=False, FIX_K=4, ROW_BLOCKS=4, LATE=wk > 4)
+                 PARTIAL=False, FIX_K=4, ROW_BLOCKS=4, LATE=2 if wk > 4 else 0)
     got = compile_gemv_kernel(tmp_path, "dense_mma_w4_fold_kernel", const)
     assert got["stack"] == 0 and got["local"] == 0 and got["regs"] * 32 * warps <= 65536
 

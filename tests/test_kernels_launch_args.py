@@ -53,7 +53,7 @@ ALONG_K = ("run_dense_mma_w4", "run_dense_mma_w4_fold", "run_sparse_mma_w4_fold"
 def test_each_kind_of_config_reaches_its_launcher_with_arguments_it_takes(launchers, kind, k_warps):
     c = {**DENSE, **SPARSE, **SPARSE_W4}[kind]
     if k_warps > 1:
-        c = replace(c, k_warps=k_warps, warps=8, block_w=4 * c.block_w, late_sums=c.dense_mma and c.fold)
+        c = replace(c, k_warps=k_warps, warps=8, block_w=4 * c.block_w, late_sums=2 if c.fold else 0)
     x = torch.zeros(c.block_m, 512, dtype=torch.bfloat16)
     words, meta = torch.zeros(64, 64, dtype=torch.int32), torch.zeros(64, 64, dtype=torch.uint8)
     s, z = torch.ones(64, 4, dtype=torch.bfloat16), torch.zeros(64, 4, dtype=torch.uint8)

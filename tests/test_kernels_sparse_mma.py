@@ -10,12 +10,13 @@ and 176-182)."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.gemv_kernels import Picked, compile_gemv_kernel, record_offers
+from tests.gemv_kernels import Picked, compile_gemv_kernel, loop_around, record_offers
 from zspeed.kernels import KernelPolicy, _sparse_mma, _word
 
 
@@ -198,10 +199,18 @@ def test_2_4_int4_with_folded_rows_fits_groups_of_128_columns_and_1_to_4_rows(mo
     with pytest.raises(ValueError, match="a warp along K"):
         _sparse_mma.run_sparse_mma_w4_fold(x, codes, meta, s, None, n=64, group=128, tiles_per_slice=8,
                                            row_blocks=1, warps=4, k_warps=4, workspace=None)
+    with pytest.raises(ValueError, match="late_sums 0, 1 or 2"):
+        _sparse_mma.run_sparse_mma_w4_fold(x, codes, meta, s, None, n=64, group=128, tiles_per_slice=8,
+                                           row_blocks=1, warps=4, k_warps=2, late_sums=3, workspace=None)
     got = _word.sparse_mma_w4_fold_candidates(1, 8192, 8192, torch.device("cuda", 0))
     assert got and all(c.fold and c.block_n == 8 * c.warps // c.k_warps and c.block_w // 8 >= 4 * c.k_warps
                        for c in got)
     assert any(c.k_warps > 1 and c.split_k == 1 for c in got)  # a program over all of K ([Note: fold warps along K])
+    along_k = [c for c in got if c.k_warps > 1 and not c.late_sums]  # each also with the warps' sums added late,
+    # by default from shared memory; from registers too where asked for
+    assert along_k and [c for c in got if c.late_sums] == [replace(c, late_sums=1) for c in along_k]
+    both = _word.sparse_mma_w4_fold_candidates(1, 8192, 8192, torch.device("cuda", 0), late=(1, 2))
+    assert both == got + [replace(c, late_sums=2) for c in along_k]
 
 
 def test_2_4_int4_slices_must_hold_whole_stripes():
@@ -463,17 +472,20 @@ def test_folded_rows_compile_for_hopper_to_mmas_on_their_loads(tmp_path, kt, war
     assert not any(op == "FADD" and "-RZ" in rest for op, rest in got["ops"])
 
 
-@pytest.mark.parametrize("kt,warps,wk,zeros,group,depth,even", [
-    (16, 4, 1, True, 128, 1, True), (32, 2, 1, False, 256, 1, False), (16, 8, 1, True, 128, 0, True),
-    (16, 16, 16, True, 128, 1, True), (32, 8, 8, False, 128, 1, False)])
-def test_2_4_int4_folded_rows_compile_for_hopper(tmp_path, kt, warps, wk, zeros, group, depth, even):
+@pytest.mark.parametrize("kt,warps,wk,zeros,group,depth,even,late", [
+    (16, 4, 1, True, 128, 1, True, 0), (32, 2, 1, False, 256, 1, False, 0),
+    (16, 8, 1, True, 128, 0, True, 0), (16, 16, 16, True, 128, 1, True, 0),
+    (32, 8, 8, False, 128, 1, False, 0), (16, 16, 16, True, 128, 1, True, 1),
+    (32, 8, 8, False, 128, 1, False, 2), (32, 4, 4, True, 256, 1, True, 1), (16, 16, 16, True, 128, 1, False, 2)])
+def test_2_4_int4_folded_rows_compile_for_hopper(tmp_path, kt, warps, wk, zeros, group, depth, even, late):
     """[Note: 2:4 folded rows] for 2:4 + INT4: one ``mma.sp`` per 64 columns, a pair's selectors sharing a metadata
     register; each ``A`` register ``code - zero`` by one bf16 subtraction; a lane's codes of a pair one 8-byte load
     and the pair's positions one 16-byte load, for each block loaded; the unused sums never added; nothing spilled.
     With ``wk`` warps along ``K`` (``kt`` tiles each, [Note: fold warps along K] in ``_dense_mma_kernels``) the same
-    a warp, in the registers a program's warps can have on one SM."""
+    a warp, in the registers a program's warps can have on one SM; with ``late`` (the warps' sums of every block added
+    across them after the last block) fewer barriers in the loop than the sums a block at a time take."""
     got = _compiled(tmp_path, "sparse_mma_w4_fold_kernel", KP=kt // 4, WK=wk, DEPTH=depth, EVEN_K=even, GROUP=group,
-                    HAS_ZEROS=zeros, num_warps=warps)
+                    HAS_ZEROS=zeros, LATE=late, num_warps=warps)
     assert got["regs"] * 32 * warps <= 65536
     _one_sparse_mma_per_tile(got, kt // 2)
     ops = [op for op, _ in got["ops"]]
@@ -481,6 +493,9 @@ def test_2_4_int4_folded_rows_compile_for_hopper(tmp_path, kt, warps, wk, zeros,
     pairs = kt // 4 * (depth + 1)
     assert ops.count("LDG.E.128") == pairs and ops.count("LDG.E.64") >= pairs
     assert not any(op == "FADD" and "-RZ" in rest for op, rest in got["ops"])
+    if wk > 1:  # in the loop over the blocks: the reduction's barriers; one, before the store of the block's sums
+        # to shared memory; none, the sums held in registers
+        assert loop_around(got, "HMMA.SP").count("BAR.SYNC.DEFER_BLOCKING") == {0: 4, 1: 1, 2: 0}[late]
 
 
 @pytest.mark.parametrize("w4,kt,groups,warps,depth,blocks", [(False, 4, 8, 4, 1, 1), (False, 8, 4, 4, 1, 1),
