@@ -323,11 +323,23 @@ def main() -> int:
         if SYSTEMS[r["system"]][0] == 4:
             x = r["speedup_vs_bf16"]
             print(f"target INT4 batch-1 decode >= 2.5x bf16, {r['system']}: {x:.2f}x {'PASS' if x >= 2.5 else 'FAIL'}")
-    if args.json:
+    if args.json:  # with the tuner's pick for each GEMV shape it saw, so that runs can be compared shape by shape
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "rows": rows}, f,
-                      indent=1)
+            json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "rows": rows,
+                       "tuned": tuner_picks()}, f, indent=1)
     return 0
+
+
+def tuner_picks() -> list[dict]:
+    """Each key the kernel tuner chose a config for in this process ([Note: kernel tuning] in kernels/_word.py):
+    the key, and the config's fields that differ from their defaults."""
+    from dataclasses import fields
+
+    from zspeed.kernels import _word
+
+    return [{"key": repr(key), "config": {f.name: getattr(c, f.name) for f in fields(c)
+                                          if getattr(c, f.name) != f.default}}
+            for key, c in _word.tuned().items()]
 
 
 if __name__ == "__main__":

@@ -97,3 +97,17 @@ def test_inductor_pdl_is_set_for_every_system_or_refused(monkeypatch, tmp_path):
     assert bench.main() == 0 and inductor_config.triton.enable_pdl is True and out.exists()
     monkeypatch.delattr(inductor_config.triton, "enable_pdl")
     assert bench.main() == 2
+
+
+def test_json_records_the_tuners_pick_for_each_shape(monkeypatch):
+    """``--json`` carries the kernel tuner's pick for each key it tuned, with the config's fields that differ from
+    their defaults, so that two decode runs can be compared shape by shape."""
+    from zspeed.kernels import _word
+
+    bench = _bench()
+    key = ("gemv", _word.FMT_W4, 128, True, 1, 6144, 4096, "torch.bfloat16")
+    picked = _word.WordConfig(1, 8, 256, 4, 8, row_blocks=2, dense_mma=True, fold=True, k_warps=8, late_sums=1)
+    monkeypatch.setattr(_word, "_BEST", {key: picked})
+    assert bench.tuner_picks() == [{"key": repr(key), "config": {
+        "block_m": 1, "block_n": 8, "block_w": 256, "split_k": 4, "warps": 8, "row_blocks": 2, "dense_mma": True,
+        "fold": True, "k_warps": 8, "late_sums": 1}}]
