@@ -6,7 +6,7 @@ to 4 rows).
 
     python benchmarks/gemv_check.py [--ms 1 4] [--shapes 8192x8192 8192x28672 28672x8192] [--formats w4 w8 s24]
                                     [--kinds tile stationary tma mma mma_stripe mma_fold dense dense_xs dense_fold]
-                                    [--late-sums 1 2] [--json F]
+                                    [--late-sums 1 2] [--jobs N] [--json F]
 
 For each shape (K x N), format (INT4 g128 with zero points, INT8, plain 2:4 by magnitude) and row count:
 checks each kernel against the reference, tunes each over its own candidates ([Note: kernel tuning] in
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import time
 
 import torch
@@ -50,10 +52,18 @@ def main() -> None:
     p.add_argument("--late-sums", type=int, nargs="*", default=list(_word.FOLD_LATE_SUMS), choices=[1, 2],
                    help="with warps along K and folded rows (dense_fold, mma_fold), the ways of adding the warps' sums "
                         "after the last block to time beside a block at a time: 1 shared memory, 2 registers")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="first compile every config in this many processes at once, each a share, so that the checks "
+                        "and timing here find them in Triton's disk cache (compiling is most of a run's time)")
+    p.add_argument("--shard", help=argparse.SUPPRESS)  # "i/N": compile share i of N and exit (a --jobs process)
     p.add_argument("--json")
     args = p.parse_args()
     late = tuple(args.late_sums)
-    print(torch.cuda.get_device_name(), flush=True)
+    shard = _shard(args.shard) if args.shard else None
+    if args.jobs > 1 and shard is None:
+        _precompile(args)
+    if shard is None:
+        print(torch.cuda.get_device_name(), flush=True)
     rows = []
     for k, n in args.shapes:
         w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
@@ -82,7 +92,7 @@ def main() -> None:
                 words, meta = q.qweight.view(torch.int32), None
             for m in args.ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                base = graph_time_ms(lambda: F.linear(x, w))
+                base = graph_time_ms(lambda: F.linear(x, w)) if shard is None else 0.0
                 ref = ref_fn(x).float()
                 row = {"k": k, "n": n, "format": fmt, "m": m, "bf16_us": base * 1e3}
                 stationary = _word.stationary_candidates(f, m, n, words.shape[1], group, x.device)
@@ -128,6 +138,9 @@ def main() -> None:
                         key = ("gemv", f, group, z is not None, m_bucket(m), n, k, x.dtype)
                         _word._BEST[key] = c
                         return _word.run_gemv(x, words, s, z, meta, fmt=f, group=group, n=n, k=k)
+                    if shard is not None:  # compile this process's share and go on
+                        _compile_share(cands, launch, *shard)
+                        continue
                     def checked(c):
                         if kind in NAN_CHECKED:  # the output lands on NaN: unwritten elements fail
                             torch.full((m, n), float("nan"), device="cuda", dtype=x.dtype)
@@ -148,10 +161,45 @@ def main() -> None:
                     print(f"{k}x{n} {fmt} M={m}: {kind:10s} {ms * 1e3:7.1f} us = {base / ms:.2f}x bf16 "
                           f"({base * 1e3:.1f} us); rel err {err:.1e}; tuned {len(cands)} in {tuning:.0f} s: {best}",
                           flush=True)
+                if shard is not None:
+                    continue
                 rows.append(row)
                 if args.json:  # after each row, so that a run cut short keeps what it measured
                     with open(args.json, "w") as fh:
                         json.dump(rows, fh, indent=1)
+
+
+def _shard(text: str) -> tuple[int, int]:
+    i, n = (int(v) for v in text.split("/"))
+    if not 0 <= i < n:
+        raise SystemExit(f"--shard {text!r}: want i/N with 0 <= i < N")
+    return i, n
+
+
+def _precompile(args: argparse.Namespace) -> None:
+    """``--jobs``: this script again in ``args.jobs`` processes, each compiling its share of every config of the same
+    shapes, formats, rows and kinds (Triton keeps the kernels in its disk cache); waits for them all."""
+    same = ["--ms", *map(str, args.ms), "--shapes", *(f"{k}x{n}" for k, n in args.shapes), "--formats", *args.formats,
+            "--kinds", *args.kinds, "--late-sums", *map(str, args.late_sums)]
+    start = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, __file__, *same, "--shard", f"{i}/{args.jobs}"])
+             for i in range(args.jobs)]
+    failed = sum(p.wait() != 0 for p in procs)
+    print(f"compiled in {args.jobs} processes in {time.perf_counter() - start:.0f} s"
+          + (f"; {failed} of them failed (their configs compile here)" if failed else ""), flush=True)
+
+
+def _compile_share(cands: list, launch, i: int, n: int) -> None:
+    """Launch (and so compile) configs ``i, i + n, ...`` of ``cands``; a config the compiler rejects is left to the
+    tuner, which skips it too."""
+    for c in cands[i::n]:
+        try:
+            launch(c)
+        except Exception as e:  # noqa: BLE001  (out of resources, as the tuner allows)
+            if "out of resource" not in str(e).lower() and "OutOfResources" not in type(e).__name__:
+                raise
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":
