@@ -3,19 +3,13 @@
 Recent transformers' static cache layers keep their own write position (a tensor each step advances); the
 benchmark rewinds it with its own, or a third run of the same length writes past the cache's end.
 """
-import importlib.util
-from pathlib import Path
-
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_decode.py"
+from tests.benchmark_scripts import load_benchmark
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_decode", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("bench_decode")
 
 
 def test_repeated_runs_decode_the_same_tokens():

@@ -3,19 +3,14 @@ run spends its time on the checks and the timing (the script itself needs a GPU;
 from __future__ import annotations
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gemv_check.py"
+from tests.benchmark_scripts import load_benchmark
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("gemv_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("gemv_check")
 
 
 class OutOfResources(Exception):
