@@ -6,6 +6,7 @@
     python benchmarks/bench_decode.py --compile --head --profile   # + INT4 with lm_head quantized; GPU time by kernel
     python benchmarks/bench_decode.py --compile --fuse             # + bf16 and INT4 with q/k/v and gate/up fused
     python benchmarks/bench_decode.py --compile --systems bf16,zspeed-int4+head+fused   # just these
+    python benchmarks/bench_decode.py --compile --jobs 8     # the tuner's configs compiled first in 8 processes
 
 Hugging Face ``LlamaForCausalLM`` of the Llama-3-8B shape (hidden 4096, FFN 14336,
 32 heads, 8 KV heads, vocabulary 128,256), random bf16 weights, a ``StaticCache``;
@@ -277,6 +278,10 @@ def main() -> int:
     p.add_argument("--systems", help=f"comma-separated subset of: {', '.join(SYSTEMS)} (overrides --head/--fuse)")
     p.add_argument("--inductor-pdl", action="store_true", help="with --compile: Inductor's kernels launched as "
                    "programmatic dependents too (torch._inductor.config.triton.enable_pdl), for every system alike")
+    p.add_argument("--jobs", type=int, default=1, help="first compile every kernel config the tuner will time in "
+                   "this many processes at once, each a share, on a one-layer model of the same shape (compiling is "
+                   "most of the tuning's time; Triton's disk cache hands the kernels over)")
+    p.add_argument("--shard", help=argparse.SUPPRESS)  # "i/N": compile share i of N and exit (a --jobs process)
     args = p.parse_args()
     if args.inductor_pdl:
         import torch._inductor.config as inductor_config
@@ -289,6 +294,10 @@ def main() -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("bench_decode needs a CUDA GPU (or --dry-run)", file=sys.stderr)
         return 2
+    if args.shard:
+        return compile_share(args, device)
+    if args.jobs > 1:
+        precompile(args)
     if args.dry_run:
         args.layers, args.tokens = 2, 4
     model = build(args.layers, device, tiny=args.dry_run)
@@ -327,6 +336,51 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "rows": rows,
                        "tuned": tuner_picks()}, f, indent=1)
+    return 0
+
+
+def precompile(args) -> None:
+    """``--jobs``: this script again in ``args.jobs`` processes (:func:`compile_share`), each compiling its share of
+    the configs the tuner will time for the chosen systems; waits for them all. Their own picks are not kept (no
+    tuning cache)."""
+    import os
+    import subprocess
+
+    same = ["--systems", ",".join(chosen_systems(args)), "--prompt-len", str(args.prompt_len)]
+    same += ["--dry-run"] if args.dry_run else []
+    env = dict(os.environ, ZSPEED_TUNING_CACHE="0")
+    start = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, __file__, *same, "--shard", f"{i}/{args.jobs}"], env=env)
+             for i in range(args.jobs)]
+    failed = sum(p.wait() != 0 for p in procs)
+    print(f"compiled in {args.jobs} processes in {time.perf_counter() - start:.0f} s"
+          + (f"; {failed} of them failed (their configs compile here)" if failed else ""), flush=True)
+
+
+def compile_share(args, device: str) -> int:
+    """A ``--jobs`` process: every tuning of a kernel compiles configs ``i, i + N, ...`` of its candidates instead of
+    timing them all, and goes on with the first; one layer of the model is enough, its Linears having every shape of
+    the full model's, for each chosen system's prefill and one decode step."""
+    from zspeed.kernels import _word
+
+    i, n = (int(v) for v in args.shard.split("/"))
+
+    def share(candidates, launch):
+        _word.compile_candidates(candidates[i::n], launch)
+        return candidates[0]
+
+    _word._fastest = share  # this process only compiles: its picks are the first candidates
+    model = build(1, device, tiny=args.dry_run)
+    prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_len), device=device)
+    for name in chosen_systems(args):
+        bits, head, fuse = SYSTEMS[name]
+        if not bits:
+            continue
+        q = quantized(model, bits, head=head)
+        q = fused(q, copy_first=False) if fuse else q
+        dec = Decoder(q, prompt, args.prompt_len + 2)
+        with torch.no_grad():
+            dec._step()
     return 0
 
 

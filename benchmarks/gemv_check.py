@@ -139,7 +139,7 @@ def main() -> None:
                         _word._BEST[key] = c
                         return _word.run_gemv(x, words, s, z, meta, fmt=f, group=group, n=n, k=k)
                     if shard is not None:  # compile this process's share and go on
-                        _compile_share(cands, launch, *shard)
+                        _word.compile_candidates(cands[shard[0]::shard[1]], launch)
                         continue
                     def checked(c):
                         if kind in NAN_CHECKED:  # the output lands on NaN: unwritten elements fail
@@ -187,19 +187,6 @@ def _precompile(args: argparse.Namespace) -> None:
     failed = sum(p.wait() != 0 for p in procs)
     print(f"compiled in {args.jobs} processes in {time.perf_counter() - start:.0f} s"
           + (f"; {failed} of them failed (their configs compile here)" if failed else ""), flush=True)
-
-
-def _compile_share(cands: list, launch, i: int, n: int) -> None:
-    """Launch (and so compile) configs ``i, i + n, ...`` of ``cands``; a config the compiler rejects is left to the
-    tuner, which skips it too."""
-    for c in cands[i::n]:
-        try:
-            launch(c)
-        except Exception as e:  # noqa: BLE001  (out of resources, as the tuner allows)
-            if "out of resource" not in str(e).lower() and "OutOfResources" not in type(e).__name__:
-                raise
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":

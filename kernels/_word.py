@@ -596,16 +596,38 @@ def _pick(key: tuple, candidates: list[WordConfig], launch) -> WordConfig:
     return best
 
 
+def _rejected(e: Exception) -> bool:
+    """Whether ``e`` is the compiler refusing a config (out of resources, e.g. shared memory): the tuner skips it."""
+    return "out of resource" in str(e).lower() or "OutOfResources" in type(e).__name__
+
+
 def time_candidates(candidates: list[WordConfig], launch) -> list[tuple[float, int]]:
     """``(ms, index)`` of every candidate the compiler accepts, fastest first, as the tuner times them."""
     timed = []
     for i, c in enumerate(candidates):
         try:
             timed.append((graph_time_ms(lambda c=c: launch(c), reps=10, trials=3), i))
-        except Exception as e:  # noqa: BLE001  (a config the compiler rejects, e.g. out of shared memory)
-            if "out of resource" not in str(e).lower() and "OutOfResources" not in type(e).__name__:
+        except Exception as e:  # noqa: BLE001
+            if not _rejected(e):
                 raise
     return sorted(timed)
+
+
+def compile_candidates(candidates: list[WordConfig], launch) -> int:
+    """Launch each of ``candidates`` once, which compiles it into Triton's disk cache, so that a tuner in another
+    process finds it compiled (the benchmarks' ``--jobs``); configs the compiler rejects are skipped, as the tuner
+    skips them. Returns how many ran."""
+    ran = 0
+    for c in candidates:
+        try:
+            launch(c)
+            ran += 1
+        except Exception as e:  # noqa: BLE001
+            if not _rejected(e):
+                raise
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return ran
 
 
 def _fastest(candidates: list[WordConfig], launch) -> WordConfig:

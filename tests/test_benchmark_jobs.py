@@ -1,0 +1,81 @@
+"""The benchmarks' ``--jobs``: every kernel config the tuner will time compiled first by several processes, each its
+share, so that a GPU run spends its time on the checks and the timing (``benchmarks/gemv_check.py`` and
+``benchmarks/bench_decode.py``; the compiling itself needs a GPU, the sharing is checked here)."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from tests.benchmark_scripts import load_benchmark
+from zspeed.kernels import _word
+
+
+class OutOfResources(Exception):
+    """Stands for Triton's exception of that name (a config the compiler rejects)."""
+
+
+def test_compile_candidates_launches_each_once_and_skips_only_rejected_ones():
+    launched = []
+
+    def launch(c):
+        launched.append(c)
+        if c == 4:
+            raise OutOfResources("shared memory")
+
+    assert sum(_word.compile_candidates(list(range(8))[i::3], launch) for i in range(3)) == 7
+    assert sorted(launched) == list(range(8)) and launched[:3] == [0, 3, 6]  # every config once, share by share
+
+    def broken(c):
+        raise RuntimeError("a real failure")
+
+    with pytest.raises(RuntimeError, match="a real failure"):
+        _word.compile_candidates([0, 1], broken)
+
+
+def test_gemv_check_starts_one_process_a_share_over_the_same_cases(monkeypatch):
+    check = load_benchmark("gemv_check")
+    started = []
+
+    class Proc:
+        def __init__(self, argv):
+            started.append(argv)
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(check.subprocess, "Popen", Proc)
+    args = argparse.Namespace(ms=[1, 4], shapes=[(8192, 8192), (4096, 6144)], formats=["w4", "s24w4"],
+                              kinds=["dense_fold", "mma_fold"], late_sums=[1, 2], jobs=3)
+    check._precompile(args)
+    assert [argv[argv.index("--shard") + 1] for argv in started] == ["0/3", "1/3", "2/3"]
+    same = started[0][2:started[0].index("--shard")]
+    assert same == ["--ms", "1", "4", "--shapes", "8192x8192", "4096x6144", "--formats", "w4", "s24w4",
+                    "--kinds", "dense_fold", "mma_fold", "--late-sums", "1", "2"]
+    assert all(argv[2:argv.index("--shard")] == same and "--json" not in argv for argv in started)
+    assert check._shard("2/3") == (2, 3)
+    with pytest.raises(SystemExit, match="want i/N"):
+        check._shard("3/3")
+
+
+def test_bench_decode_jobs_run_each_share_on_the_chosen_systems_without_the_tuning_cache(monkeypatch, capsys):
+    """``--dry-run --jobs 2`` end to end on the CPU: two processes, each given its share, the systems chosen here and
+    the tuning cache off (their picks are only the first candidates), both finishing before the timed run."""
+    bench = load_benchmark("bench_decode")
+    started = []
+    real = subprocess.Popen
+
+    def popen(argv, **kw):
+        started.append((argv, kw["env"]))
+        return real(argv, **kw)
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    monkeypatch.setattr(sys, "argv", ["bench_decode.py", "--dry-run", "--jobs", "2", "--systems", "bf16,zspeed-int4"])
+    assert bench.main() == 0
+    assert [argv[argv.index("--shard") + 1] for argv, _ in started] == ["0/2", "1/2"]
+    assert all("bf16,zspeed-int4" in argv and "--dry-run" in argv and env["ZSPEED_TUNING_CACHE"] == "0"
+               for argv, env in started)
+    out = capsys.readouterr().out
+    assert "compiled in 2 processes" in out and "failed" not in out
