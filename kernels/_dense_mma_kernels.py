@@ -120,7 +120,7 @@ import functools
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ._sparse_mma_kernels import (_along3, _along4, _cta_barrier, _fold_end, _fold_slots, _keep_sums,
+from ._sparse_mma_kernels import (_along3, _along4, _block_sums, _cta_barrier, _fold_end, _fold_slots,
                                   _late_sums_keeper, _store_sums, finish_run, group_params)
 
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
@@ -418,11 +418,7 @@ def dense_mma_w4_fold_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, ou
         # slot 0 of each stripe holds its sum in units of the group's scale (the others -0.0, split off)
         d = gl.split(gl.reshape(d, [WR, 32, QW, 2, 2]))[0]
         d = gl.convert_layout(gl.split(d)[0], Q3) * scale
-        if LATE > 0:  # the warp's own stripes only: stripe kw * Q + j of the program is warp kw's j
-            kept = _keep_sums(kept, which, d, blk, WR, WK, LATE)
-        else:  # with warps along K the stripes' sum meets across them in shared memory, a block at a time
-            row = rows + o_row
-            _store_sums(gl.sum(d, axis=2), out_ptr, part_ptr, row, o_m, (o_m < M) & (row < N), N, SPLIT, pid_k,
-                        stride_om, PARTIAL)
+        kept = _block_sums(kept, which, d, blk, rows + o_row, o_m, out_ptr, part_ptr, M, N, SPLIT, pid_k, stride_om,
+                           WR, WK, PARTIAL, LATE)  # stripe kw * Q + j of the program is warp kw's j
     _fold_end(kept, out_ptr, part_ptr, count_ptr, pid_r, row0, M, N, SPLIT, pid_k, stride_om, ROWS * ROW_BLOCKS,
               ROW_BLOCKS, WR, WK, PARTIAL, FIX_K, LATE, num_warps)

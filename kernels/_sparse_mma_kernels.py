@@ -459,15 +459,22 @@ def _late_sums_keeper(ROW_BLOCKS: gl.constexpr, WR: gl.constexpr, WK: gl.constex
 
 
 @gluon.jit
-def _keep_sums(kept, which, d, blk, WR: gl.constexpr, WK: gl.constexpr, LATE: gl.constexpr):
-    """Keeps block ``blk``'s sums of a warp's own slices (``d``: ``(WR, 32, WK * per warp)``, slice ``kw * per + j``
-    being warp ``kw``'s ``j``) in ``kept`` (:func:`_late_sums_keeper`); returns ``kept``."""
-    own = gl.sum(gl.reshape(d, [WR, 32, WK, d.shape[2] // WK]), axis=3)
-    if LATE == 1:
-        kept.index(blk).store(own)
+def _block_sums(kept, which, d, blk, row, o_m, out_ptr, part_ptr, M, N, SPLIT, pid_k, stride_om, WR: gl.constexpr,
+                WK: gl.constexpr, PARTIAL: gl.constexpr, LATE: gl.constexpr):
+    """Block ``blk``'s sums with folded rows (``d``: ``(WR, 32, WK * per warp)``, slice ``kw * per + j`` being warp
+    ``kw``'s ``j``; weight rows ``row``, rows ``o_m`` of ``x``): with ``LATE`` each warp's own kept in ``kept``
+    (:func:`_late_sums_keeper`), else added across the warps along ``K`` (in shared memory) and stored now. Returns
+    ``kept``."""
+    if LATE == 0:
+        _store_sums(gl.sum(d, axis=2), out_ptr, part_ptr, row, o_m, (o_m < M) & (row < N), N, SPLIT, pid_k, stride_om,
+                    PARTIAL)
     else:
-        own = gl.convert_layout(own, gl.SliceLayout(0, kept.type.layout))
-        kept = gl.where(which == blk, gl.expand_dims(own, 0), kept)
+        own = gl.sum(gl.reshape(d, [WR, 32, WK, d.shape[2] // WK]), axis=3)
+        if LATE == 1:
+            kept.index(blk).store(own)
+        else:
+            own = gl.convert_layout(own, gl.SliceLayout(0, kept.type.layout))
+            kept = gl.where(which == blk, gl.expand_dims(own, 0), kept)
     return kept
 
 
@@ -1021,11 +1028,7 @@ def sparse_mma_w4_fold_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, co
         # slot 0 of each pair holds its sum in units of the group's scale (the others -0.0, split off)
         d = gl.split(gl.reshape(d, [WR, 32, KPW, 2, 2]))[0]
         d = gl.convert_layout(gl.split(d)[0], M3) * scale  # (the same registers, renamed)
-        if LATE > 0:  # the warp's own pairs only: pair kw * KP + j of the program is warp kw's j
-            kept = _keep_sums(kept, which, d, blk, WR, WK, LATE)
-        else:  # with warps along K the pairs' sum meets across them in shared memory, a block at a time
-            row = rows + o_row
-            _store_sums(gl.sum(d, axis=2), out_ptr, part_ptr, row, o_m, (o_m < M) & (row < N), N, SPLIT, pid_k,
-                        stride_om, PARTIAL)
+        kept = _block_sums(kept, which, d, blk, rows + o_row, o_m, out_ptr, part_ptr, M, N, SPLIT, pid_k, stride_om,
+                           WR, WK, PARTIAL, LATE)  # pair kw * KP + j of the program is warp kw's j
     _fold_end(kept, out_ptr, part_ptr, count_ptr, pid_r, row0, M, N, SPLIT, pid_k, stride_om, ROWS * ROW_BLOCKS,
               ROW_BLOCKS, WR, WK, PARTIAL, FIX_K, LATE, num_warps)
