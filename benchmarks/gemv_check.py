@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 
@@ -30,6 +29,8 @@ from zspeed.compress import quantize_int4, quantize_int8
 from zspeed.compress.nm import compress_nm, prune_nm
 from zspeed.kernels import _dense_mma, _sparse_mma, _word, sparse24_ref, sparse24_w4a16_ref, w4a16_ref, w8a16_ref
 from zspeed.kernels._runtime import graph_time_ms, m_bucket
+
+from _jobs import run_shares  # benchmarks/_jobs.py
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -181,13 +182,7 @@ def _precompile(args: argparse.Namespace) -> None:
     shapes, formats, rows and kinds (Triton keeps the kernels in its disk cache); waits for them all."""
     same = ["--ms", *map(str, args.ms), "--shapes", *(f"{k}x{n}" for k, n in args.shapes), "--formats", *args.formats,
             "--kinds", *args.kinds, "--late-sums", *map(str, args.late_sums)]
-    start = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, __file__, *same, "--shard", f"{i}/{args.jobs}"])
-             for i in range(args.jobs)]
-    failed = sum(p.wait() != 0 for p in procs)
-    print(f"compiled in {args.jobs} processes in {time.perf_counter() - start:.0f} s"
-          + (f"; {failed} of them failed (their configs compile here)" if failed else ""), flush=True)
-
+    run_shares(__file__, same, args.jobs)
 
 if __name__ == "__main__":
     main()

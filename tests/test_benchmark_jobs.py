@@ -40,13 +40,13 @@ def test_gemv_check_starts_one_process_a_share_over_the_same_cases(monkeypatch):
     started = []
 
     class Proc:
-        def __init__(self, argv):
+        def __init__(self, argv, **kw):
             started.append(argv)
 
         def wait(self):
             return 0
 
-    monkeypatch.setattr(check.subprocess, "Popen", Proc)
+    monkeypatch.setattr(subprocess, "Popen", Proc)
     args = argparse.Namespace(ms=[1, 4], shapes=[(8192, 8192), (4096, 6144)], formats=["w4", "s24w4"],
                               kinds=["dense_fold", "mma_fold"], late_sums=[1, 2], jobs=3)
     check._precompile(args)
@@ -79,3 +79,43 @@ def test_bench_decode_jobs_run_each_share_on_the_chosen_systems_without_the_tuni
                for argv, env in started)
     out = capsys.readouterr().out
     assert "compiled in 2 processes" in out and "failed" not in out
+
+
+def test_a_failed_share_is_counted_and_its_error_printed(tmp_path, capsys):
+    """A ``--jobs`` process's output goes to a file; where one fails, its last lines are printed with its share, so
+    that the reason is seen (run 213 on an H100: 6 of 8 failed, their output lost in the grep of the run's log)."""
+    jobs = load_benchmark("_jobs")
+    script = tmp_path / "share.py"
+    script.write_text("import sys\n"
+                      "i = sys.argv[sys.argv.index('--shard') + 1]\n"
+                      "print('compiling share', i)\n"
+                      "if i == '1/3': raise SystemExit('CUDA out of memory in share ' + i)\n")
+    assert jobs.run_shares(str(script), ["--same"], 3) == 1
+    captured = capsys.readouterr()
+    assert "compiled in 3 processes" in captured.out and "1 of them failed" in captured.out
+    assert "share 1/3 exited with 1" in captured.err and "CUDA out of memory in share 1/3" in captured.err
+    assert "compiling share 1/3" in captured.err and "share 0/3" not in captured.err
+
+
+def test_tuner_check_shares_its_keys_and_sums_up_picks(monkeypatch):
+    """``tuner_check.py --jobs 3``: the processes get the same shapes, formats and rows; the summary of a way's picks
+    is its best and worst time and how far apart they are."""
+    check = load_benchmark("tuner_check")
+    jobs = load_benchmark("_jobs")
+    started = []
+
+    class Stop(Exception):
+        pass
+
+    monkeypatch.setitem(sys.modules, "_jobs", jobs)
+    monkeypatch.setattr(jobs, "run_shares", lambda script, same, n, **kw: started.append((script, same, n)))
+    monkeypatch.setattr(check.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(check.torch.cuda, "get_device_name", lambda: (_ for _ in ()).throw(Stop()))
+    monkeypatch.setattr(sys, "argv", ["tuner_check.py", "--jobs", "3", "--shapes", "4096x4096", "8192x8192",
+                                      "--formats", "w4", "w8", "--ms", "1", "4"])
+    with pytest.raises(Stop):
+        check.main()
+    (script, same, n), = started
+    assert n == 3 and script.endswith("tuner_check.py")
+    assert same == ["--shapes", "4096x4096", "8192x8192", "--formats", "w4", "w8", "--ms", "1", "4"]
+    assert check.spread([10.0, 10.5, 10.0]) == {"best_us": 10.0, "worst_us": 10.5, "worst_over_best": pytest.approx(0.05)}

@@ -158,6 +158,64 @@ def test_pick_times_once_keeps_the_fastest_and_reuses_the_cache(tmp_path, monkey
     assert TuningCache(cache.path).get(KEY) == A
 
 
+D = _word.WordConfig(1, 64, 64, 1, 4)
+
+
+def _noisy_timer(monkeypatch, draws: dict):
+    """A stand-in for ``graph_time_ms``: each call of a config returns its next draw; records the calls' reps."""
+    calls = []
+
+    def fake_time(fn, *, reps=20, trials=5, **kw):
+        c = fn()
+        calls.append((c, reps))
+        return draws[c].pop(0)
+
+    monkeypatch.setattr(_word, "graph_time_ms", fake_time)
+    return calls
+
+
+def test_finalists_overturn_a_lucky_first_pass(monkeypatch):
+    """[Note: finalists] A's first-pass time was a lucky draw; timed again in rounds, B is faster. C is within the
+    margin too and re-timed; D, 40 % over the first pass's best, is not timed again and stays last."""
+    draws = {A: [1.00, 1.20, 1.21, 1.19], B: [1.05, 1.10, 1.09, 1.11], C: [1.10, 1.30, 1.31, 1.29], D: [1.40]}
+    calls = _noisy_timer(monkeypatch, draws)
+    ranked = _word.time_candidates([A, B, C, D], lambda c: c, finalists=5)
+    assert [i for _, i in ranked] == [1, 0, 2, 3]
+    assert ranked[0][0] == pytest.approx(1.10) and ranked[-1][0] == pytest.approx(1.40)
+    retimed = calls[4:]
+    assert len(retimed) == 3 * _word.FINALIST_ROUNDS and {c for c, _ in retimed} == {A, B, C}
+    assert all(reps == 20 for _, reps in retimed) and all(reps == 10 for _, reps in calls[:4])
+    # the rounds alternate their order: a drift of the clocks does not always fall on the same config
+    assert [c for c, _ in retimed[:3]] == [A, B, C] and [c for c, _ in retimed[3:6]] == [C, B, A]
+    assert all(not ts for ts in draws.values())
+
+
+def test_finalists_bounded_and_skipped_when_alone(monkeypatch):
+    # finalists=2: only the first pass's two fastest are timed again, even with C inside the margin
+    draws = {A: [1.00, 1.2, 1.2, 1.2], B: [1.01, 1.1, 1.1, 1.1], C: [1.02]}
+    calls = _noisy_timer(monkeypatch, draws)
+    assert [i for _, i in _word.time_candidates([A, B, C], lambda c: c, finalists=2)] == [1, 0, 2]
+    assert {c for c, _ in calls[3:]} == {A, B}
+    # one config alone within the margin: nothing is timed again
+    draws = {A: [1.0], B: [2.0]}
+    calls = _noisy_timer(monkeypatch, draws)
+    assert _word.time_candidates([A, B], lambda c: c) == [(1.0, 0), (2.0, 1)] and len(calls) == 2
+    # finalists=0 is the first pass alone; the module default is read at the call
+    draws = {A: [1.0], B: [1.01]}
+    calls = _noisy_timer(monkeypatch, draws)
+    monkeypatch.setattr(_word, "FINALISTS", 0)
+    assert _word.time_candidates([A, B], lambda c: c) == [(1.0, 0), (1.01, 1)] and len(calls) == 2
+
+
+def test_pick_keeps_the_finalists_winner(tmp_path, monkeypatch):
+    cache = TuningCache(tmp_path / "gpu.json")
+    monkeypatch.setattr(_word, "_tuning_cache", lambda: cache)
+    monkeypatch.setattr(_word, "interpreting", lambda: False)
+    monkeypatch.setattr(_word, "_BEST", {})
+    _noisy_timer(monkeypatch, {A: [1.00, 1.2, 1.2, 1.2], B: [1.05, 1.1, 1.1, 1.1]})
+    assert _word._pick(KEY, [A, B], lambda c: c) == B and TuningCache(cache.path).get(KEY) == B
+
+
 def test_semi_structured_form_is_cached_per_tensor_and_version(monkeypatch):
     """kernels/semi.py builds torch's 2:4 form once per weight, again after an in-place change, and lets go of
     it when the weight is gone (the conversion itself needs CUDA, so it is stubbed here)."""

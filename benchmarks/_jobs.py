@@ -1,0 +1,32 @@
+"""The benchmarks' ``--jobs``: a script run again in several processes, each compiling its share of the kernel configs
+(``--shard i/N``), before the process that times them finds them in Triton's disk cache."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+
+TAIL_LINES = 20  # of a failed process's output, printed
+
+
+def run_shares(script: str, same: list[str], jobs: int, *, env: dict | None = None) -> int:
+    """``script`` with ``same`` and ``--shard i/jobs`` in ``jobs`` processes at once; waits for them all and returns
+    how many failed. A process's output goes to a file, not the terminal (eight of them would interleave); a failed
+    one's last lines are printed, so that its error is seen (its configs then compile in the caller, at the tuning)."""
+    start = time.perf_counter()
+    logs = [tempfile.TemporaryFile(mode="w+") for _ in range(jobs)]
+    procs = [subprocess.Popen([sys.executable, script, *same, "--shard", f"{i}/{jobs}"], env=env, stdout=log,
+                              stderr=subprocess.STDOUT) for i, log in enumerate(logs)]
+    failed = 0
+    for i, (proc, log) in enumerate(zip(procs, logs)):
+        code = proc.wait()
+        if code != 0:
+            failed += 1
+            log.seek(0)
+            tail = "".join(log.readlines()[-TAIL_LINES:])
+            print(f"--jobs: share {i}/{jobs} exited with {code}; its last lines:\n{tail}", file=sys.stderr, flush=True)
+        log.close()
+    print(f"compiled in {jobs} processes in {time.perf_counter() - start:.0f} s"
+          + (f"; {failed} of them failed (their configs compile here)" if failed else ""), flush=True)
+    return failed
