@@ -246,18 +246,26 @@ def kernel_error(q, prompt) -> float:
     return float((got - want).norm() / want.norm())
 
 
-def measure(name: str, model, prompt, args) -> dict:
+def measure(name: str, model, prompt, args, phases: dict[str, float]) -> dict:
+    """Times ``model``'s decode; ``phases`` (seconds of wall time by phase, this system's so far) gains the prefill
+    (where the kernels of the prompt's rows are tuned), the first compiled step (Inductor, the decode kernels' tuning)
+    and the capture, and goes into the row."""
+    start = time.perf_counter()
     dec = Decoder(model, prompt, max_len=prompt.shape[1] + args.tokens + 8, compile=args.compile)
+    phases["prefill"] = time.perf_counter() - start
     if args.compile:
         with torch.no_grad():
             dec._step()  # compile outside the graph capture's warm-up
+    phases["first step"] = time.perf_counter() - start - phases["prefill"]
     dec.capture()
     dec.run(4)  # one untimed pass
+    phases["capture"] = time.perf_counter() - start - phases["prefill"] - phases["first step"]
     toks, secs = dec.run(args.tokens)
     row = {"system": name, "compiled": args.compile, "tokens": args.tokens, "seconds": secs,
            "tokens_per_s": args.tokens / secs, "ms_per_token": secs / args.tokens * 1e3, "graph": dec.graph is not None,
-           "ids": toks}
-    print(json.dumps({k: v for k, v in row.items() if k != "ids"}), flush=True)
+           "ids": toks, "phase_seconds": phases}
+    print(json.dumps({k: v for k, v in row.items() if k not in ("ids", "phase_seconds")}), flush=True)
+    print(f"{name}: wall time by phase: " + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items()), flush=True)
     if args.profile and dec.graph is not None:
         row["profile"] = profile_step(dec, 16, row["ms_per_token"])
     return row
@@ -307,10 +315,13 @@ def main() -> int:
     rows = []
     for name in chosen_systems(args):
         bits, head, fuse = SYSTEMS[name]
+        start = time.perf_counter()
         q = quantized(model, bits, head=head) if bits else model
         q = fused(q, copy_first=q is model) if fuse else q
+        phases = {"quantize": time.perf_counter() - start}
         err = kernel_error(q, prompt) if bits else None
-        rows.append(measure(name, q, prompt, args))
+        phases["logits check"] = time.perf_counter() - start - phases["quantize"]
+        rows.append(measure(name, q, prompt, args, phases))
         if err is not None:
             rows[-1]["logits_rel_err_vs_dequantized"] = err
             print(f"{name}: one-token logits vs the dequantized bf16 model: relative error {err:.2e} "

@@ -105,3 +105,20 @@ def test_json_records_the_tuners_pick_for_each_shape(monkeypatch):
     assert bench.tuner_picks() == [{"key": repr(key), "config": {
         "block_m": 1, "block_n": 8, "block_w": 256, "split_k": 4, "warps": 8, "row_blocks": 2, "dense_mma": True,
         "fold": True, "k_warps": 8, "late_sums": 1}}]
+
+
+def test_rows_carry_the_wall_time_of_each_phase(monkeypatch, tmp_path, capsys):
+    """Each system's row (and a printed line) gives the wall time of its phases, so that a GPU run's time can be
+    planned: a quantized system's quantization and logits check, and every system's prefill, first step and capture."""
+    import json
+    import sys
+
+    bench = _bench()
+    out = tmp_path / "rows.json"
+    monkeypatch.setattr(sys, "argv", ["bench_decode.py", "--dry-run", "--systems", "bf16,zspeed-int4", "--json",
+                                      str(out)])
+    assert bench.main() == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert list(rows[1]["phase_seconds"]) == ["quantize", "logits check", "prefill", "first step", "capture"]
+    assert all(v >= 0 for r in rows for v in r["phase_seconds"].values())
+    assert "zspeed-int4: wall time by phase: quantize" in capsys.readouterr().out
