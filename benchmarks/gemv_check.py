@@ -6,7 +6,7 @@ to 4 rows).
 
     python benchmarks/gemv_check.py [--ms 1 4] [--shapes 8192x8192 8192x28672 28672x8192] [--formats w4 w8 s24]
                                     [--kinds tile stationary tma mma mma_stripe mma_fold dense dense_xs dense_fold]
-                                    [--late-sums 1 2] [--jobs N] [--json F]
+                                    [--late-sums 1 2] [--balanced] [--jobs N] [--json F]
 
 For each shape (K x N), format (INT4 g128 with zero points, INT8, plain 2:4 by magnitude) and row count:
 checks each kernel against the reference, tunes each over its own candidates ([Note: kernel tuning] in
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 import torch
@@ -53,6 +52,8 @@ def main() -> None:
     p.add_argument("--late-sums", type=int, nargs="*", default=list(_word.FOLD_LATE_SUMS), choices=[1, 2],
                    help="with warps along K and folded rows (dense_fold, mma_fold), the ways of adding the warps' sums "
                         "after the last block to time beside a block at a time: 1 shared memory, 2 registers")
+    p.add_argument("--balanced", action="store_true", help="dense_fold: also the runs of row blocks that spread "
+                   "them evenly over the SMs ([Note: balanced runs] in kernels/_dense_mma_kernels.py)")
     p.add_argument("--jobs", type=int, default=1,
                    help="first compile every config in this many processes at once, each a share, so that the checks "
                         "and timing here find them in Triton's disk cache (compiling is most of a run's time)")
@@ -112,7 +113,8 @@ def main() -> None:
                                                            if f == _word.FMT_S24W4 else 1) if gemm
                          else [],
                          "dense": [c for c in dense if not c.x_shared], "dense_xs": [c for c in dense if c.x_shared],
-                         "dense_fold": _word.dense_mma_w4_fold_candidates(m, n, k, x.device, late=late)
+                         "dense_fold": _word.dense_mma_w4_fold_candidates(m, n, k, x.device, late=late,
+                                                                         balanced=args.balanced or None)
                          if dense and m <= 4
                          else [],  # [Note: INT4 GEMV with folded rows]
                          "mma_stripe": [c for c in _word.sparse_mma_stripe_candidates(m, n, k, x.device)
@@ -182,7 +184,9 @@ def _precompile(args: argparse.Namespace) -> None:
     shapes, formats, rows and kinds (Triton keeps the kernels in its disk cache); waits for them all."""
     same = ["--ms", *map(str, args.ms), "--shapes", *(f"{k}x{n}" for k, n in args.shapes), "--formats", *args.formats,
             "--kinds", *args.kinds, "--late-sums", *map(str, args.late_sums)]
+    same += ["--balanced"] if args.balanced else []
     run_shares(__file__, same, args.jobs)
+
 
 if __name__ == "__main__":
     main()

@@ -19,8 +19,6 @@ import statistics
 import sys
 import time
 
-os.environ.setdefault("ZSPEED_TUNING_CACHE", "0")  # every tuning times the candidates
-
 import torch
 import torch.nn.functional as F
 
@@ -45,6 +43,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("tuner_check needs a CUDA GPU", file=sys.stderr)
         return 2
+    os.environ.setdefault("ZSPEED_TUNING_CACHE", "0")  # every tuning times the candidates (read at the first one)
     from zspeed.compress import quantize_int4, quantize_int8
     from zspeed.kernels import _word
     from zspeed.kernels._runtime import graph_time_ms

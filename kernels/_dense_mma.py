@@ -115,13 +115,14 @@ def run_dense_mma_w4_fold(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor,
     """INT4 ``x @ dequant(words)^T`` with folded rows (:func:`dense_mma_w4_fits`, at most :data:`FOLD_M` rows of
     ``x``): ``stripes_per_slice`` stripes of 128 columns a program (a power of two), ``k_warps`` of the ``warps``
     splitting them ([Note: fold warps along K] in ``_dense_mma_kernels``), ``row_blocks`` blocks of ``8 * warps /
-    k_warps`` weight rows (a power of two), ``depth`` 0 or 1 of them loaded ahead; ``late_sums`` (with ``k_warps`` >
-    1): the warps' sums added once after the last block, not a block at a time, kept until then in shared memory (1)
-    or in registers (2)."""
+    k_warps`` weight rows (a power of two; any count with one slice of ``K`` and the sums a block at a time: [Note:
+    balanced runs] in ``_dense_mma_kernels``), ``depth`` 0 or 1 of them loaded ahead; ``late_sums`` (with
+    ``k_warps`` > 1): the warps' sums added once after the last block, not a block at a time, kept until then in
+    shared memory (1) or in registers (2)."""
     q, rb = stripes_per_slice, row_blocks
-    if q < 1 or q & (q - 1) or rb < 1 or rb & (rb - 1) or warps not in (1, 2, 4, 8, 16) or depth not in (0, 1) \
+    if q < 1 or q & (q - 1) or rb < 1 or warps not in (1, 2, 4, 8, 16) or depth not in (0, 1) \
             or k_warps < 1 or warps % k_warps or q % k_warps or late_sums not in (0, 1, 2):
-        raise ValueError(f"run_dense_mma_w4_fold: stripes_per_slice and row_blocks must be powers of two, warps 1, "
+        raise ValueError(f"run_dense_mma_w4_fold: stripes_per_slice must be a power of two, row_blocks >= 1, warps 1, "
                          f"2, 4, 8 or 16, k_warps a divisor of both warps and stripes_per_slice, depth 0 or 1, "
                          f"late_sums 0, 1 or 2; got {q}, {rb}, {warps}, {k_warps}, {depth}, {late_sums}")
     m = x.shape[0]
@@ -131,6 +132,11 @@ def run_dense_mma_w4_fold(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor,
     run = 8 * warps // k_warps * rb
     stripes, split, runs, out, parts, counters = _setup("run_dense_mma_w4_fold", x, words, n=n, q=q, run=run,
                                                         workspace=workspace)
+    late = late_sums if k_warps > 1 else 0
+    if rb & (rb - 1) and (split > 1 or late):  # the fix-up and the kept sums lay a run out in powers of two
+        raise ValueError(f"run_dense_mma_w4_fold: {rb} row blocks (not a power of two) need one slice of K and the "
+                         f"sums added a block at a time ([Note: balanced runs] in _dense_mma_kernels); got {split} "
+                         f"slices, late_sums={late_sums}")
     zz = z if z is not None else s
     asm, io = _kernels().w4_dense_fold_asm()
     _kernels().dense_mma_w4_fold_kernel[(runs, split)](
@@ -138,5 +144,5 @@ def run_dense_mma_w4_fold(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor,
         x.stride(0), words.stride(0), s.stride(0), zz.stride(0), out.stride(0),
         GROUP=group, HAS_ZEROS=z is not None, Q=q // k_warps, WK=k_warps, ROW_BLOCKS=rb, DEPTH=depth,
         EVEN_K=stripes % q == 0, PARTIAL=split > 1, FIX_K=max(1, min(16, 4096 // run)),
-        LATE=late_sums if k_warps > 1 else 0, ASM=asm, ASM_IO=io, num_warps=warps)
+        LATE=late, ASM=asm, ASM_IO=io, num_warps=warps)
     return out

@@ -112,6 +112,17 @@ H100: 4096x4096 at one row picked it: 6.1 us in the tuner's timing, the best con
 so the loop has no barrier at all (sm_90 SASS), and adds them across the warps once at the end. It is exact on the GPU
 (runs 205-206), but with it among the INT4 candidates the decode benchmark ran 2.35x where the same machine ran 2.50x
 without it (runs 207-208), so the tuner offers it only where asked for (``_word.FOLD_LATE_SUMS``).
+
+[Note: balanced runs] A program that covers all of ``K`` with 16 warps (the decode step's 4096-deep shapes, above)
+takes an SM's registers alone, so its programs run in waves of one an SM, and a grid of runs of a power of two of
+row blocks rarely fills the last wave: 4096x6144 in runs of 4 blocks is 192 programs, two on 60 SMs and one on the
+other 72, so the launch takes the time of 8 blocks where 5.8 an SM would do; 4096x28672 in runs of 16, 224 programs,
+32 blocks where 27.2 would do. Nothing in such a program needs its run to be a power of two (no fix-up, no kept sums: the run's
+length is only the loop's trip count), so ``_word.balanced_runs`` offers runs of ``cdiv(blocks, p * SMs)`` blocks,
+``p`` programs an SM for the warp count and twice that: 6 and 3 blocks for 4096x6144, 28 and 14 for 4096x28672, 122
+and 61 for the 128,256-row head. The launcher refuses such a run with a fix-up or kept sums, whose layouts are powers
+of two. Compiled for sm_90 on the CPU (``tests/test_kernels_dense_mma.py``); not yet run on a GPU, so the tuner offers
+them only where asked for (``_word.FOLD_BALANCED``, ``benchmarks/gemv_check.py --balanced``).
 """
 from __future__ import annotations
 

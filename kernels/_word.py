@@ -633,7 +633,7 @@ def _time_finalists(timed: list[tuple[float, int]], candidates: list[WordConfig]
     fastest, at most ``finalists`` of them, are timed again with 20 calls a graph and 5 trials, in
     ``FINALIST_ROUNDS`` rounds that alternate their order (a drift of the clocks falls on all of them), and each keeps
     the median of its rounds. One config alone within the margin is not timed again. Measured
-    (``benchmarks/tuner_check.py``, kernels runs 212-216, H100 and H200, 11 keys tuned 2-3 times each way in one
+    (``benchmarks/tuner_check.py``, kernels runs 212-217, H100 and H200, 22 keys tuned 2-3 times each way in one
     process): both ways pick consistently in isolation, the first pass's worst pick 5.0 % over its best (4096x6144,
     H100), the finalists' worst 3.9 % (the same key, H200), most keys the same config every time; run 209's slip was
     not seen again either way. The round costs 0.1-0.6 s a key."""
@@ -858,18 +858,49 @@ DENSE_MMA_FOLD_TILES = ((4, 4, 1), (4, 8, 1), (4, 4, 0), (8, 4, 1), (8, 4, 0), (
 DENSE_MMA_FOLD_K_TILES = ((32, 8, 8, 1), (64, 16, 16, 1), (16, 8, 8, 1), (32, 16, 16, 1), (16, 4, 4, 1), (32, 8, 4, 1))
 
 
+# whether the INT4 GEMV with folded rows also offers balanced runs ([Note: balanced runs] in _dense_mma_kernels).
+# Compiled for sm_90 on the CPU, not yet run on a GPU: offered only where asked for (benchmarks/gemv_check.py
+# --balanced) until a GPU run has checked and timed them
+FOLD_BALANCED = False
+
+
 def dense_mma_w4_fold_candidates(m: int, n: int, k: int, device: torch.device, *,
-                                 late: tuple[int, ...] = FOLD_LATE_SUMS) -> list[WordConfig]:
+                                 late: tuple[int, ...] = FOLD_LATE_SUMS,
+                                 balanced: bool | None = None) -> list[WordConfig]:
     """Configs of the INT4 GEMV with folded rows (the caller checks ``_dense_mma.dense_mma_w4_fits`` and at most 4
     rows): as :func:`sparse_mma_candidates` over ``DENSE_MMA_FOLD_TILES`` (a stripe: 4 tiles of 32 columns), blocks of
     8 weight rows a warp; ``block_w // 16`` stripes a slice as in :func:`dense_mma_w4_candidates`; then with warps
-    along ``K`` over ``DENSE_MMA_FOLD_K_TILES``, their sums added a block at a time and in each way of ``late``."""
+    along ``K`` over ``DENSE_MMA_FOLD_K_TILES``, their sums added a block at a time and in each way of ``late``; with
+    ``balanced`` (default ``FOLD_BALANCED``) also :func:`balanced_runs` of those that cover all of ``K``."""
     table = tuple((4 * q, warps, depth) for q, warps, depth in DENSE_MMA_FOLD_TILES)
     out = [replace(c, block_w=c.block_w // 2, sparse_mma=False, dense_mma=True)
            for c in sparse_mma_candidates(m, n, k, device, table, warp_rows=8, min_tiles=4, fold=True)]
     along_k = [c for c in _fold_along_k(m, n, k // 128, device, DENSE_MMA_FOLD_K_TILES, words=16, least=1,
                                         dense_mma=True) if c not in out]
-    return out + along_k + [replace(c, late_sums=way) for way in late for c in along_k]
+    out = out + along_k + [replace(c, late_sums=way) for way in late for c in along_k]
+    if FOLD_BALANCED if balanced is None else balanced:
+        out += [c for c in balanced_runs(along_k, n, device) if c not in out]
+    return out
+
+
+def balanced_runs(configs: list[WordConfig], n: int, device: torch.device) -> list[WordConfig]:
+    """[Note: balanced runs] in ``_dense_mma_kernels``: for each of ``configs`` with folded rows that covers all of
+    ``K`` (one slice) and adds its sums a block at a time, the runs of row blocks that spread the ``N`` rows' blocks
+    evenly over ``p`` programs an SM: ``cdiv(blocks, p * SMs)`` blocks a program, any count (the configs' runs are
+    powers of two), for ``p`` = ``16 // warps`` (the programs of that many warps an SM's registers hold at ~128 a
+    thread) and twice that."""
+    sms = _sm_count(device.index or 0)
+    out = []
+    for c in configs:
+        if not c.fold or c.split_k != 1 or c.late_sums:
+            continue
+        blocks = cdiv(n, c.block_n)
+        for p in (max(1, 16 // c.warps), 2 * max(1, 16 // c.warps)):
+            rb = cdiv(blocks, p * sms)
+            b = replace(c, row_blocks=rb)
+            if rb & (rb - 1) and b not in out:  # a power of two is among the configs already, or could be
+                out.append(b)
+    return out
 
 
 def _fold_along_k(m: int, n: int, units: int, device: torch.device, table: tuple, *, words: int, least: int,

@@ -48,12 +48,12 @@ def test_gemv_check_starts_one_process_a_share_over_the_same_cases(monkeypatch):
 
     monkeypatch.setattr(subprocess, "Popen", Proc)
     args = argparse.Namespace(ms=[1, 4], shapes=[(8192, 8192), (4096, 6144)], formats=["w4", "s24w4"],
-                              kinds=["dense_fold", "mma_fold"], late_sums=[1, 2], jobs=3)
+                              kinds=["dense_fold", "mma_fold"], late_sums=[1, 2], balanced=True, jobs=3)
     check._precompile(args)
     assert [argv[argv.index("--shard") + 1] for argv in started] == ["0/3", "1/3", "2/3"]
     same = started[0][2:started[0].index("--shard")]
     assert same == ["--ms", "1", "4", "--shapes", "8192x8192", "4096x6144", "--formats", "w4", "s24w4",
-                    "--kinds", "dense_fold", "mma_fold", "--late-sums", "1", "2"]
+                    "--kinds", "dense_fold", "mma_fold", "--late-sums", "1", "2", "--balanced"]
     assert all(argv[2:argv.index("--shard")] == same and "--json" not in argv for argv in started)
     assert check._shard("2/3") == (2, 3)
     with pytest.raises(SystemExit, match="want i/N"):
@@ -107,10 +107,14 @@ def test_tuner_check_shares_its_keys_and_sums_up_picks(monkeypatch):
     class Stop(Exception):
         pass
 
+    def stop():
+        raise Stop  # where the GPU part would begin
+
+    monkeypatch.setenv("ZSPEED_TUNING_CACHE", "1")  # the script defaults it to off; the test leaves it as it was
     monkeypatch.setitem(sys.modules, "_jobs", jobs)
     monkeypatch.setattr(jobs, "run_shares", lambda script, same, n, **kw: started.append((script, same, n)))
     monkeypatch.setattr(check.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(check.torch.cuda, "get_device_name", lambda: (_ for _ in ()).throw(Stop()))
+    monkeypatch.setattr(check.torch.cuda, "get_device_name", stop)
     monkeypatch.setattr(sys, "argv", ["tuner_check.py", "--jobs", "3", "--shapes", "4096x4096", "8192x8192",
                                       "--formats", "w4", "w8", "--ms", "1", "4"])
     with pytest.raises(Stop):

@@ -256,8 +256,16 @@ def test_folded_rows_are_offered_at_1_to_4_rows_and_refuse_bad_arguments(offered
     assert any(c.fold for c in one) and not any(c.fold for c in five)
     x = torch.zeros(2, 256, dtype=torch.bfloat16)
     run = _dense_mma.run_dense_mma_w4_fold
-    with pytest.raises(ValueError, match="powers of two"):
+    with pytest.raises(ValueError, match="a power of two"):
         run(x, words, s, None, n=64, group=128, stripes_per_slice=3, row_blocks=1, warps=4, workspace=None)
+    # a run of row blocks that is not a power of two ([Note: balanced runs]) only with one slice of K and the sums
+    # added a block at a time: the fix-up and the kept sums lay a run out in powers of two
+    workspace = (torch.zeros(4096), torch.zeros(64, dtype=torch.int32))
+    with pytest.raises(ValueError, match="need one slice of K and the sums added a block at a time"):
+        run(x, words, s, None, n=64, group=128, stripes_per_slice=1, row_blocks=3, warps=4, workspace=workspace)
+    with pytest.raises(ValueError, match="need one slice of K and the sums added a block at a time"):
+        run(x, words, s, None, n=64, group=128, stripes_per_slice=2, row_blocks=3, warps=8, k_warps=2, late_sums=1,
+            workspace=None)
     with pytest.raises(ValueError, match="at most 4 rows of x"):
         run(torch.zeros(5, 256, dtype=torch.bfloat16), words, s, None, n=64, group=128, stripes_per_slice=2,
             row_blocks=1, warps=4, workspace=None)
@@ -300,6 +308,44 @@ def test_folded_rows_compile_for_hopper_to_four_mmas_a_stripe(tmp_path, q, wk, d
     if wk > 1:  # in the loop over the blocks: the reduction's four barriers; one, before the store of the block's
         # sums to shared memory; none, the sums held in registers
         assert loop_around(got, "HMMA").count("BAR.SYNC.DEFER_BLOCKING") == {0: 4, 1: 1, 2: 0}[late]
+
+
+def test_balanced_runs_spread_the_blocks_evenly_and_are_offered_where_asked_for(monkeypatch):
+    """[Note: balanced runs]: for the configs that cover all of K and add their sums a block at a time, runs of
+    ``cdiv(blocks, p * SMs)`` row blocks for ``p = 16 // warps`` programs an SM and twice that, where that count is not
+    a power of two; offered by default only when ``FOLD_BALANCED`` is on."""
+    monkeypatch.setattr(_word, "_sm_count", lambda index: 132)
+    cpu = torch.device("cpu")
+    plain = _word.dense_mma_w4_fold_candidates(1, 6144, 4096, cpu)
+    asked = _word.dense_mma_w4_fold_candidates(1, 6144, 4096, cpu, balanced=True)
+    extra = asked[len(plain):]
+    assert asked[:len(plain)] == plain and extra
+    assert not any(c.row_blocks & (c.row_blocks - 1) for c in plain)
+    assert all(c.fold and c.split_k == 1 and not c.late_sums and c.row_blocks & (c.row_blocks - 1) for c in extra)
+    for c in extra:  # each is a config offered already but for its run, spread over p programs an SM
+        assert any(replace(o, row_blocks=c.row_blocks) == c for o in plain)
+        p = 16 // c.warps
+        assert c.row_blocks in (-(-6144 // c.block_n // (p * 132)), -(-6144 // c.block_n // (2 * p * 132)))
+    sixteen = [c for c in extra if c.warps == 16 and c.k_warps == 16]  # 768 blocks of 8 rows: runs of 6 and 3
+    assert sorted(c.row_blocks for c in sixteen if c.block_w == 512) == [3, 6]
+    monkeypatch.setattr(_word, "FOLD_BALANCED", True)
+    assert _word.dense_mma_w4_fold_candidates(1, 6144, 4096, cpu) == asked
+    head = _word.balanced_runs([replace(sixteen[0], row_blocks=32)], 128256, cpu)
+    assert [c.row_blocks for c in head] == [122, 61]  # 16,032 blocks over 132 and 264 programs
+
+
+@pytest.mark.parametrize("rb,wk,warps,depth", [(6, 16, 16, 1), (14, 16, 16, 1), (3, 8, 8, 1), (61, 4, 4, 0)])
+def test_balanced_runs_compile_for_hopper(tmp_path, rb, wk, warps, depth):
+    """[Note: balanced runs]: a run of row blocks that is not a power of two compiles for sm_90 as the others do: 4
+    MMAs a stripe and block, no fix-up (one slice of K), nothing spilled, in the registers of one SM."""
+    q = {16: 2, 8: 4, 4: 4}[wk]  # stripes a warp, as DENSE_MMA_FOLD_K_TILES has them
+    const = dict(Q=q, WK=wk, DEPTH=depth, num_warps=warps, HAS_ZEROS=True, GROUP=128, EVEN_K=True, PARTIAL=False,
+                 FIX_K=1, ROW_BLOCKS=rb, LATE=0)
+    got = compile_gemv_kernel(tmp_path, "dense_mma_w4_fold_kernel", const)
+    ops = [op for op, _ in got["ops"]]
+    assert ops.count("HMMA.16816.F32.BF16") in (4 * q, 8 * q, 4 * q * rb)
+    assert not any(op.startswith("ATOMG") for op in ops)
+    assert got["stack"] == 0 and got["local"] == 0 and got["regs"] * 32 * warps <= 65536
 
 
 @pytest.mark.parametrize("tile", _word.DENSE_MMA_FOLD_K_TILES)
