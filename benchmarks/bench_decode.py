@@ -52,7 +52,7 @@ def build(layers: int, device: str, tiny: bool):
     cfg = LlamaConfig(num_hidden_layers=layers, torch_dtype=torch.bfloat16, **shape)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device=device).to(torch.bfloat16)
+    model = model.to(torch.bfloat16).to_empty(device=device)  # bf16 while on meta: no fp32 copy is ever made
     # to_empty leaves buffers unwritten too: the rotary table (inv_freq) would be whatever the allocator held,
     # NaN at times. A fresh rotary module computes it (in fp32, as a checkpoint-loaded model keeps it).
     rotary = model.model.rotary_emb
@@ -366,11 +366,10 @@ def precompile(args) -> None:
 
 @contextlib.contextmanager
 def _one_at_a_time():
-    """Held by one ``--jobs`` process at a time (a lock file): building and quantizing a layer and the 128,256-row
-    head takes several GB of fp32 temporaries for a moment, and eight processes at that peak at once may not fit an
-    80 GB GPU (run 213 on an H100: 6 of 8 failed, their errors not kept; an H200 had run 8 of 8). The caching
-    allocator's blocks are handed back before the lock is (``empty_cache``); compiling, after it, runs in all the
-    processes at once."""
+    """Held by one ``--jobs`` process at a time (a lock file): quantizing a layer and the 128,256-row head takes
+    several GB of fp32 temporaries for a moment, and eight processes at that peak at once may not fit an 80 GB GPU
+    (run 213 on an H100: 6 of 8 failed, their errors not kept; an H200 had run 8 of 8). The caching allocator's blocks
+    are handed back before the lock is (``empty_cache``); compiling, after it, runs in all the processes at once."""
     import fcntl
     import os
     import tempfile
@@ -396,8 +395,7 @@ def compile_share(args, device: str) -> int:
         return candidates[0]
 
     _word._fastest = share  # this process only compiles: its picks are the first candidates
-    with _one_at_a_time():
-        model = build(1, device, tiny=args.dry_run)
+    model = build(1, device, tiny=args.dry_run)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_len), device=device)
     for name in chosen_systems(args):
         bits, head, fuse = SYSTEMS[name]
