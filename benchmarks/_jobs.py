@@ -30,3 +30,26 @@ def run_shares(script: str, same: list[str], jobs: int, *, env: dict | None = No
     print(f"compiled in {jobs} processes in {time.perf_counter() - start:.0f} s"
           + (f"; {failed} of them failed (their configs compile here)" if failed else ""), flush=True)
     return failed
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``--shard i/N`` as ``(i, N)``; refused unless ``0 <= i < N``."""
+    i, n = (int(v) for v in text.split("/"))
+    if not 0 <= i < n:
+        raise SystemExit(f"--shard {text!r}: want i/N with 0 <= i < N")
+    return i, n
+
+
+def tune_by_compiling_share(shard: tuple[int, int]) -> None:
+    """In a ``--jobs`` process: from now on every tuning of a kernel (``_word._fastest``) compiles configs ``i, i + N,
+    ...`` of its candidates instead of timing them all, and goes on with the first (this process's picks are not
+    kept)."""
+    from zspeed.kernels import _word
+
+    i, n = shard
+
+    def share(candidates, launch):
+        _word.compile_candidates(candidates[i::n], launch)
+        return candidates[0]
+
+    _word._fastest = share

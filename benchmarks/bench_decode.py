@@ -386,15 +386,9 @@ def compile_share(args, device: str) -> int:
     """A ``--jobs`` process: every tuning of a kernel compiles configs ``i, i + N, ...`` of its candidates instead of
     timing them all, and goes on with the first; one layer of the model is enough, its Linears having every shape of
     the full model's, for each chosen system's prefill and one decode step."""
-    from zspeed.kernels import _word
+    from _jobs import parse_shard, tune_by_compiling_share
 
-    i, n = (int(v) for v in args.shard.split("/"))
-
-    def share(candidates, launch):
-        _word.compile_candidates(candidates[i::n], launch)
-        return candidates[0]
-
-    _word._fastest = share  # this process only compiles: its picks are the first candidates
+    tune_by_compiling_share(parse_shard(args.shard))  # this process only compiles: its picks are the first candidates
     model = build(1, device, tiny=args.dry_run)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt_len), device=device)
     for name in chosen_systems(args):

@@ -29,7 +29,7 @@ from zspeed.compress.nm import compress_nm, prune_nm
 from zspeed.kernels import _dense_mma, _sparse_mma, _word, sparse24_ref, sparse24_w4a16_ref, w4a16_ref, w8a16_ref
 from zspeed.kernels._runtime import graph_time_ms, m_bucket
 
-from _jobs import run_shares  # benchmarks/_jobs.py
+from _jobs import parse_shard, run_shares  # benchmarks/_jobs.py
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -61,7 +61,7 @@ def main() -> None:
     p.add_argument("--json")
     args = p.parse_args()
     late = tuple(args.late_sums)
-    shard = _shard(args.shard) if args.shard else None
+    shard = parse_shard(args.shard) if args.shard else None
     if args.jobs > 1 and shard is None:
         _precompile(args)
     if shard is None:
@@ -170,13 +170,6 @@ def main() -> None:
                 if args.json:  # after each row, so that a run cut short keeps what it measured
                     with open(args.json, "w") as fh:
                         json.dump(rows, fh, indent=1)
-
-
-def _shard(text: str) -> tuple[int, int]:
-    i, n = (int(v) for v in text.split("/"))
-    if not 0 <= i < n:
-        raise SystemExit(f"--shard {text!r}: want i/N with 0 <= i < N")
-    return i, n
 
 
 def _precompile(args: argparse.Namespace) -> None:

@@ -48,16 +48,12 @@ def main() -> int:
     from zspeed.kernels import _word
     from zspeed.kernels._runtime import graph_time_ms
 
-    shard = tuple(int(v) for v in args.shard.split("/")) if args.shard else None
+    from _jobs import parse_shard, run_shares, tune_by_compiling_share  # benchmarks/_jobs.py
+
+    shard = parse_shard(args.shard) if args.shard else None
     if shard:  # a --jobs process: each tuning compiles this share of its candidates and goes on with the first
-        def share(candidates, launch):
-            _word.compile_candidates(candidates[shard[0]::shard[1]], launch)
-            return candidates[0]
-
-        _word._fastest = share
+        tune_by_compiling_share(shard)
     elif args.jobs > 1:
-        from _jobs import run_shares  # benchmarks/_jobs.py
-
         same = ["--shapes", *args.shapes, "--formats", *args.formats, "--ms", *map(str, args.ms)]
         run_shares(__file__, same, args.jobs)
     ways = {"first pass": 0, "finalists": _word.FINALISTS}

@@ -55,9 +55,10 @@ def test_gemv_check_starts_one_process_a_share_over_the_same_cases(monkeypatch):
     assert same == ["--ms", "1", "4", "--shapes", "8192x8192", "4096x6144", "--formats", "w4", "s24w4",
                     "--kinds", "dense_fold", "mma_fold", "--late-sums", "1", "2", "--balanced"]
     assert all(argv[2:argv.index("--shard")] == same and "--json" not in argv for argv in started)
-    assert check._shard("2/3") == (2, 3)
+    jobs = load_benchmark("_jobs")
+    assert jobs.parse_shard("2/3") == (2, 3)
     with pytest.raises(SystemExit, match="want i/N"):
-        check._shard("3/3")
+        jobs.parse_shard("3/3")
 
 
 def test_bench_decode_jobs_run_each_share_on_the_chosen_systems_without_the_tuning_cache(monkeypatch, capsys):
@@ -105,10 +106,10 @@ def test_tuner_check_shares_its_keys_and_sums_up_picks(monkeypatch):
     started = []
 
     class Stop(Exception):
-        pass
+        """Raised where the script's GPU part would begin."""
 
     def stop():
-        raise Stop  # where the GPU part would begin
+        raise Stop
 
     monkeypatch.setenv("ZSPEED_TUNING_CACHE", "1")  # the script defaults it to off; the test leaves it as it was
     monkeypatch.setitem(sys.modules, "_jobs", jobs)
@@ -123,3 +124,13 @@ def test_tuner_check_shares_its_keys_and_sums_up_picks(monkeypatch):
     assert n == 3 and script.endswith("tuner_check.py")
     assert same == ["--shapes", "4096x4096", "8192x8192", "--formats", "w4", "w8", "--ms", "1", "4"]
     assert check.spread([10.0, 10.5, 10.0]) == {"best_us": 10.0, "worst_us": 10.5, "worst_over_best": pytest.approx(0.05)}
+
+
+def test_a_share_process_compiles_its_share_and_goes_on_with_the_first(monkeypatch):
+    """``tune_by_compiling_share``: in a ``--jobs`` process each tuning launches configs ``i, i + N, ...`` once (which
+    compiles them) and picks the first candidate without timing any."""
+    jobs = load_benchmark("_jobs")
+    monkeypatch.setattr(_word, "_fastest", _word._fastest)  # restored after the test
+    launched = []
+    jobs.tune_by_compiling_share((1, 3))
+    assert _word._fastest(list(range(8)), launched.append) == 0 and launched == [1, 4, 7]
