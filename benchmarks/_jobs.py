@@ -2,6 +2,8 @@
 (``--shard i/N``), before the process that times them finds them in Triton's disk cache."""
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import sys
 import tempfile
@@ -53,3 +55,20 @@ def tune_by_compiling_share(shard: tuple[int, int]) -> None:
         return candidates[0]
 
     _word._fastest = share
+
+
+@contextlib.contextmanager
+def one_at_a_time(name: str):
+    """Held by one ``--jobs`` process at a time (a lock file, ``name`` the script's): quantizing a large matrix takes
+    several GB of fp32 temporaries for a moment, and eight processes at that peak at once may not fit an 80 GB GPU
+    (bench_decode, run 213 on an H100: 6 of 8 failed; gemv_check, run 218: one of 8 out of memory on the 128,256-row
+    head). The holder hands its allocator's blocks back before it lets go (``torch.cuda.empty_cache``); compiling,
+    after it, runs in all the processes at once."""
+    import fcntl
+
+    with open(os.path.join(tempfile.gettempdir(), f"zspeed-{name}-jobs.lock"), "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)

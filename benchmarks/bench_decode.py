@@ -32,7 +32,6 @@ one matmul each); fused INT4 is also reported over fused bf16. ``--systems`` run
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import sys
@@ -364,29 +363,11 @@ def precompile(args) -> None:
     run_shares(__file__, same, args.jobs, env=dict(os.environ, ZSPEED_TUNING_CACHE="0"))
 
 
-@contextlib.contextmanager
-def _one_at_a_time():
-    """Held by one ``--jobs`` process at a time (a lock file): quantizing a layer and the 128,256-row head takes
-    several GB of fp32 temporaries for a moment, and eight processes at that peak at once may not fit an 80 GB GPU
-    (run 213 on an H100: 6 of 8 failed, their errors not kept; an H200 had run 8 of 8). The caching allocator's blocks
-    are handed back before the lock is (``empty_cache``); compiling, after it, runs in all the processes at once."""
-    import fcntl
-    import os
-    import tempfile
-
-    with open(os.path.join(tempfile.gettempdir(), "zspeed-bench-decode-jobs.lock"), "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def compile_share(args, device: str) -> int:
     """A ``--jobs`` process: every tuning of a kernel compiles configs ``i, i + N, ...`` of its candidates instead of
     timing them all, and goes on with the first; one layer of the model is enough, its Linears having every shape of
     the full model's, for each chosen system's prefill and one decode step."""
-    from _jobs import parse_shard, tune_by_compiling_share
+    from _jobs import one_at_a_time, parse_shard, tune_by_compiling_share
 
     tune_by_compiling_share(parse_shard(args.shard))  # this process only compiles: its picks are the first candidates
     model = build(1, device, tiny=args.dry_run)
@@ -395,7 +376,7 @@ def compile_share(args, device: str) -> int:
         bits, head, fuse = SYSTEMS[name]
         if not bits:
             continue
-        with _one_at_a_time():
+        with one_at_a_time("bench-decode"):
             q = quantized(model, bits, head=head)
             q = fused(q, copy_first=False) if fuse else q
             if device == "cuda":

@@ -18,6 +18,7 @@ the check.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 
@@ -29,7 +30,7 @@ from zspeed.compress.nm import compress_nm, prune_nm
 from zspeed.kernels import _dense_mma, _sparse_mma, _word, sparse24_ref, sparse24_w4a16_ref, w4a16_ref, w8a16_ref
 from zspeed.kernels._runtime import graph_time_ms, m_bucket
 
-from _jobs import parse_shard, run_shares  # benchmarks/_jobs.py
+from _jobs import one_at_a_time, parse_shard, run_shares  # benchmarks/_jobs.py
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -52,8 +53,9 @@ def main() -> None:
     p.add_argument("--late-sums", type=int, nargs="*", default=list(_word.FOLD_LATE_SUMS), choices=[1, 2],
                    help="with warps along K and folded rows (dense_fold, mma_fold), the ways of adding the warps' sums "
                         "after the last block to time beside a block at a time: 1 shared memory, 2 registers")
-    p.add_argument("--balanced", action="store_true", help="dense_fold: also the runs of row blocks that spread "
-                   "them evenly over the SMs ([Note: balanced runs] in kernels/_dense_mma_kernels.py)")
+    p.add_argument("--balanced", action=argparse.BooleanOptionalAction, default=None,
+                   help="dense_fold: also the runs of row blocks that spread them evenly over the SMs ([Note: balanced "
+                   "runs] in kernels/_dense_mma_kernels.py); default: as the tuner, _word.FOLD_BALANCED")
     p.add_argument("--jobs", type=int, default=1,
                    help="first compile every config in this many processes at once, each a share, so that the checks "
                         "and timing here find them in Triton's disk cache (compiling is most of a run's time)")
@@ -70,28 +72,31 @@ def main() -> None:
     for k, n in args.shapes:
         w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
         for fmt in args.formats:
-            if fmt == "w4":
-                q = quantize_int4(w, group_size=128, scale_dtype=torch.bfloat16)
-                f, s, z, group = _word.FMT_W4, q.scales, q.zeros, 128
-                ref_fn = lambda x, q=q: w4a16_ref(x, q.qweight, q.scales, q.zeros, 128)  # noqa: E731
-            elif fmt == "w8":
-                q = quantize_int8(w, scale_dtype=torch.bfloat16)
-                f, s, z, group = _word.FMT_W8, q.scales, None, 0
-                ref_fn = lambda x, q=q: w8a16_ref(x, q.qweight, q.scales)  # noqa: E731
-            if fmt in ("s24", "s24w4"):
-                sp = compress_nm(prune_nm(w, w.abs(), n=2, m=4))
-            if fmt == "s24":
-                words, meta = _word.word_view(_word.FMT_S24, sp.values, sp.meta, k)
-                f, s, z, group = _word.FMT_S24, sp.values, None, 1
-                ref_fn = lambda x, sp=sp: sparse24_ref(x, sp.values, sp.meta)  # noqa: E731
-            elif fmt == "s24w4":  # 64 kept values = 128 original columns a group, as bench_kernels.py
-                v4 = quantize_int4(sp.values, group_size=64, scale_dtype=torch.bfloat16)
-                words, meta = _word.word_view(_word.FMT_S24W4, v4.qweight, sp.meta, k)
-                f, s, z, group = _word.FMT_S24W4, v4.scales, v4.zeros, 128
-                ref_fn = lambda x, v4=v4, sp=sp: sparse24_w4a16_ref(x, v4.qweight, sp.meta, v4.scales,  # noqa: E731
-                                                                    v4.zeros, 128)
-            else:
-                words, meta = q.qweight.view(torch.int32), None
+            with one_at_a_time("gemv-check") if shard is not None else contextlib.nullcontext():
+                if fmt == "w4":
+                    q = quantize_int4(w, group_size=128, scale_dtype=torch.bfloat16)
+                    f, s, z, group = _word.FMT_W4, q.scales, q.zeros, 128
+                    ref_fn = lambda x, q=q: w4a16_ref(x, q.qweight, q.scales, q.zeros, 128)  # noqa: E731
+                elif fmt == "w8":
+                    q = quantize_int8(w, scale_dtype=torch.bfloat16)
+                    f, s, z, group = _word.FMT_W8, q.scales, None, 0
+                    ref_fn = lambda x, q=q: w8a16_ref(x, q.qweight, q.scales)  # noqa: E731
+                if fmt in ("s24", "s24w4"):
+                    sp = compress_nm(prune_nm(w, w.abs(), n=2, m=4))
+                if fmt == "s24":
+                    words, meta = _word.word_view(_word.FMT_S24, sp.values, sp.meta, k)
+                    f, s, z, group = _word.FMT_S24, sp.values, None, 1
+                    ref_fn = lambda x, sp=sp: sparse24_ref(x, sp.values, sp.meta)  # noqa: E731
+                elif fmt == "s24w4":  # 64 kept values = 128 original columns a group, as bench_kernels.py
+                    v4 = quantize_int4(sp.values, group_size=64, scale_dtype=torch.bfloat16)
+                    words, meta = _word.word_view(_word.FMT_S24W4, v4.qweight, sp.meta, k)
+                    f, s, z, group = _word.FMT_S24W4, v4.scales, v4.zeros, 128
+                    ref_fn = lambda x, v4=v4, sp=sp: sparse24_w4a16_ref(x, v4.qweight, sp.meta, v4.scales,  # noqa: E731
+                                                                        v4.zeros, 128)
+                else:
+                    words, meta = q.qweight.view(torch.int32), None
+                if shard is not None:  # the quantizer's temporaries handed back before the next process's
+                    torch.cuda.empty_cache()
             for m in args.ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 base = graph_time_ms(lambda: F.linear(x, w)) if shard is None else 0.0
@@ -114,7 +119,7 @@ def main() -> None:
                          else [],
                          "dense": [c for c in dense if not c.x_shared], "dense_xs": [c for c in dense if c.x_shared],
                          "dense_fold": _word.dense_mma_w4_fold_candidates(m, n, k, x.device, late=late,
-                                                                         balanced=args.balanced or None)
+                                                                         balanced=args.balanced)
                          if dense and m <= 4
                          else [],  # [Note: INT4 GEMV with folded rows]
                          "mma_stripe": [c for c in _word.sparse_mma_stripe_candidates(m, n, k, x.device)
@@ -177,7 +182,7 @@ def _precompile(args: argparse.Namespace) -> None:
     shapes, formats, rows and kinds (Triton keeps the kernels in its disk cache); waits for them all."""
     same = ["--ms", *map(str, args.ms), "--shapes", *(f"{k}x{n}" for k, n in args.shapes), "--formats", *args.formats,
             "--kinds", *args.kinds, "--late-sums", *map(str, args.late_sums)]
-    same += ["--balanced"] if args.balanced else []
+    same += [] if args.balanced is None else ["--balanced" if args.balanced else "--no-balanced"]
     run_shares(__file__, same, args.jobs)
 
 

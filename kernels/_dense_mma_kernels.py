@@ -121,8 +121,11 @@ other 72, so the launch takes the time of 8 blocks where 5.8 an SM would do; 409
 length is only the loop's trip count), so ``_word.balanced_runs`` offers runs of ``cdiv(blocks, p * SMs)`` blocks,
 ``p`` programs an SM for the warp count and twice that: 6 and 3 blocks for 4096x6144, 28 and 14 for 4096x28672, 122
 and 61 for the 128,256-row head. The launcher refuses such a run with a fix-up or kept sums, whose layouts are powers
-of two. Compiled for sm_90 on the CPU (``tests/test_kernels_dense_mma.py``); not yet run on a GPU, so the tuner offers
-them only where asked for (``_word.FOLD_BALANCED``, ``benchmarks/gemv_check.py --balanced``).
+of two. Compiled for sm_90 on the CPU (``tests/test_kernels_dense_mma.py``). Measured (kernels run 218, H100,
+``gemv_check.py --balanced``, every config checked on NaN-filled memory): the tuner picked a balanced run for
+4096x28672 (14 blocks, 31.3 us; the same config in runs of 16, 33.3 us; the best power of two, 32.2 us) and for
+the head (61 blocks, 108.2 us against 109.6 us), and none elsewhere. So they are offered by default
+(``_word.FOLD_BALANCED``).
 """
 from __future__ import annotations
 

@@ -603,6 +603,7 @@ def _rejected(e: Exception) -> bool:
 
 FINALISTS = 5  # [Note: finalists]: at most this many candidates are timed again
 FINALIST_MARGIN = 0.15  # those within this fraction of the first pass's fastest
+FINALISTS_LEAST = 3  # and the first pass's fastest this many, whatever their margin
 FINALIST_ROUNDS = 3  # in this many interleaved rounds, each finalist's time the median of its rounds
 
 
@@ -632,13 +633,17 @@ def _time_finalists(timed: list[tuple[float, int]], candidates: list[WordConfig]
     picked a folded one at 7.1 us.) So the first pass only nominates: the candidates within ``FINALIST_MARGIN`` of its
     fastest, at most ``finalists`` of them, are timed again with 20 calls a graph and 5 trials, in
     ``FINALIST_ROUNDS`` rounds that alternate their order (a drift of the clocks falls on all of them), and each keeps
-    the median of its rounds. One config alone within the margin is not timed again. Measured
+    the median of its rounds. The first pass's ``FINALISTS_LEAST`` fastest are timed again whatever their margin: a
+    lucky draw can leave one config alone within it (kernels run 218, H100, 4096x6144: split-K 8 at 4.35 us in the
+    first pass, under the ~8 us that streaming its 12.6 MB of weights takes, next best 9.04 us; it was picked unchecked
+    and took 9.8 us timed again). Measured
     (``benchmarks/tuner_check.py``, kernels runs 212-217, H100 and H200, 22 keys tuned 2-3 times each way in one
     process): both ways pick consistently in isolation, the first pass's worst pick 5.0 % over its best (4096x6144,
     H100), the finalists' worst 3.9 % (the same key, H200), most keys the same config every time; run 209's slip was
     not seen again either way. The round costs 0.1-0.6 s a key."""
     best = timed[0][0]
-    chosen = [(t, i) for t, i in timed[:finalists] if t <= best * (1.0 + FINALIST_MARGIN)]
+    chosen = [(t, i) for n, (t, i) in enumerate(timed[:finalists])
+              if n < FINALISTS_LEAST or t <= best * (1.0 + FINALIST_MARGIN)]
     if len(chosen) < 2:
         return timed
     rounds: dict[int, list[float]] = {i: [] for _, i in chosen}
@@ -858,10 +863,9 @@ DENSE_MMA_FOLD_TILES = ((4, 4, 1), (4, 8, 1), (4, 4, 0), (8, 4, 1), (8, 4, 0), (
 DENSE_MMA_FOLD_K_TILES = ((32, 8, 8, 1), (64, 16, 16, 1), (16, 8, 8, 1), (32, 16, 16, 1), (16, 4, 4, 1), (32, 8, 4, 1))
 
 
-# whether the INT4 GEMV with folded rows also offers balanced runs ([Note: balanced runs] in _dense_mma_kernels).
-# Compiled for sm_90 on the CPU, not yet run on a GPU: offered only where asked for (benchmarks/gemv_check.py
-# --balanced) until a GPU run has checked and timed them
-FOLD_BALANCED = False
+# whether the INT4 GEMV with folded rows also offers balanced runs ([Note: balanced runs] in _dense_mma_kernels);
+# checked and timed in kernels run 218 (H100), picked on gate/up and the head
+FOLD_BALANCED = True
 
 
 def dense_mma_w4_fold_candidates(m: int, n: int, k: int, device: torch.device, *,
@@ -887,8 +891,8 @@ def balanced_runs(configs: list[WordConfig], n: int, device: torch.device) -> li
     """[Note: balanced runs] in ``_dense_mma_kernels``: for each of ``configs`` with folded rows that covers all of
     ``K`` (one slice) and adds its sums a block at a time, the runs of row blocks that spread the ``N`` rows' blocks
     evenly over ``p`` programs an SM: ``cdiv(blocks, p * SMs)`` blocks a program, any count (the configs' runs are
-    powers of two), for ``p`` = ``16 // warps`` (the programs of that many warps an SM's registers hold at ~128 a
-    thread) and twice that."""
+    powers of two), for ``p`` = ``16 // warps`` and twice that (how many of a program an SM holds at once depends on
+    its registers: the 16-warp program at 54 a thread runs two, and its run for twice ``p`` won in kernels run 218)."""
     sms = _sm_count(device.index or 0)
     out = []
     for c in configs:

@@ -55,6 +55,10 @@ def test_gemv_check_starts_one_process_a_share_over_the_same_cases(monkeypatch):
     assert same == ["--ms", "1", "4", "--shapes", "8192x8192", "4096x6144", "--formats", "w4", "s24w4",
                     "--kinds", "dense_fold", "mma_fold", "--late-sums", "1", "2", "--balanced"]
     assert all(argv[2:argv.index("--shard")] == same and "--json" not in argv for argv in started)
+    for balanced, flag in ((False, ["--no-balanced"]), (None, [])):  # None: the processes take the tuner's default
+        started.clear()
+        check._precompile(argparse.Namespace(**{**vars(args), "balanced": balanced}))
+        assert started[0][2:started[0].index("--shard")] == same[:-1] + flag
     jobs = load_benchmark("_jobs")
     assert jobs.parse_shard("2/3") == (2, 3)
     with pytest.raises(SystemExit, match="want i/N"):
@@ -134,3 +138,37 @@ def test_a_share_process_compiles_its_share_and_goes_on_with_the_first(monkeypat
     launched = []
     jobs.tune_by_compiling_share((1, 3))
     assert _word._fastest(list(range(8)), launched.append) == 0 and launched == [1, 4, 7]
+
+
+def test_one_at_a_time_lets_one_holder_in_at_once(tmp_path, monkeypatch):
+    """``_jobs.one_at_a_time``: the ``--jobs`` processes quantize one after another (a lock file); a second holder
+    waits until the first lets go, and a lock of another name does not wait."""
+    import tempfile
+    import threading
+
+    jobs = load_benchmark("_jobs")
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    inside, order = threading.Event(), []
+    release = threading.Event()
+
+    def first():
+        with jobs.one_at_a_time("check"):
+            order.append("first in")
+            inside.set()
+            release.wait(10)
+            order.append("first out")
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert inside.wait(10)
+    with jobs.one_at_a_time("other"):  # another script's lock
+        order.append("other")
+    second = threading.Thread(target=lambda: jobs.one_at_a_time("check").__enter__() or order.append("second in"))
+    second.start()
+    second.join(0.3)
+    assert second.is_alive() and order == ["first in", "other"]  # still waiting
+    release.set()
+    t.join(10)
+    second.join(10)
+    assert order == ["first in", "other", "first out", "second in"]
+    assert (tmp_path / "zspeed-check-jobs.lock").exists()

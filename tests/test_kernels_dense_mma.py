@@ -313,10 +313,10 @@ def test_folded_rows_compile_for_hopper_to_four_mmas_a_stripe(tmp_path, q, wk, d
 def test_balanced_runs_spread_the_blocks_evenly_and_are_offered_where_asked_for(monkeypatch):
     """[Note: balanced runs]: for the configs that cover all of K and add their sums a block at a time, runs of
     ``cdiv(blocks, p * SMs)`` row blocks for ``p = 16 // warps`` programs an SM and twice that, where that count is not
-    a power of two; offered by default only when ``FOLD_BALANCED`` is on."""
+    a power of two; offered by default while ``FOLD_BALANCED`` is on."""
     monkeypatch.setattr(_word, "_sm_count", lambda index: 132)
     cpu = torch.device("cpu")
-    plain = _word.dense_mma_w4_fold_candidates(1, 6144, 4096, cpu)
+    plain = _word.dense_mma_w4_fold_candidates(1, 6144, 4096, cpu, balanced=False)
     asked = _word.dense_mma_w4_fold_candidates(1, 6144, 4096, cpu, balanced=True)
     extra = asked[len(plain):]
     assert asked[:len(plain)] == plain and extra
@@ -330,6 +330,8 @@ def test_balanced_runs_spread_the_blocks_evenly_and_are_offered_where_asked_for(
     assert sorted(c.row_blocks for c in sixteen if c.block_w == 512) == [3, 6]
     monkeypatch.setattr(_word, "FOLD_BALANCED", True)
     assert _word.dense_mma_w4_fold_candidates(1, 6144, 4096, cpu) == asked
+    monkeypatch.setattr(_word, "FOLD_BALANCED", False)
+    assert _word.dense_mma_w4_fold_candidates(1, 6144, 4096, cpu) == plain
     head = _word.balanced_runs([replace(sixteen[0], row_blocks=32)], 128256, cpu)
     assert [c.row_blocks for c in head] == [122, 61]  # 16,032 blocks over 132 and 264 programs
 
