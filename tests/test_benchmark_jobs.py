@@ -163,7 +163,11 @@ def test_one_at_a_time_lets_one_holder_in_at_once(tmp_path, monkeypatch):
     assert inside.wait(10)
     with jobs.one_at_a_time("other"):  # another script's lock
         order.append("other")
-    second = threading.Thread(target=lambda: jobs.one_at_a_time("check").__enter__() or order.append("second in"))
+    def second_holder():
+        with jobs.one_at_a_time("check"):
+            order.append("second in")
+
+    second = threading.Thread(target=second_holder)
     second.start()
     second.join(0.3)
     assert second.is_alive() and order == ["first in", "other"]  # still waiting
