@@ -66,9 +66,19 @@ def one_at_a_time(name: str):
     after it, runs in all the processes at once."""
     import fcntl
 
+    import torch
+
     with open(os.path.join(tempfile.gettempdir(), f"zspeed-{name}-jobs.lock"), "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
         finally:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def quantizing(shard: tuple[int, int] | None, name: str):
+    """Around a script's quantizing: :func:`one_at_a_time` in a ``--jobs`` process (``shard`` given), nothing in the
+    process that times (it runs alone)."""
+    return one_at_a_time(name) if shard is not None else contextlib.nullcontext()

@@ -379,8 +379,6 @@ def compile_share(args, device: str) -> int:
         with one_at_a_time("bench-decode"):
             q = quantized(model, bits, head=head)
             q = fused(q, copy_first=False) if fuse else q
-            if device == "cuda":
-                torch.cuda.empty_cache()
         dec = Decoder(q, prompt, args.prompt_len + 2)
         with torch.no_grad():
             dec._step()

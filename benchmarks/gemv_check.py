@@ -18,7 +18,6 @@ the check.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import time
 
@@ -30,7 +29,7 @@ from zspeed.compress.nm import compress_nm, prune_nm
 from zspeed.kernels import _dense_mma, _sparse_mma, _word, sparse24_ref, sparse24_w4a16_ref, w4a16_ref, w8a16_ref
 from zspeed.kernels._runtime import graph_time_ms, m_bucket
 
-from _jobs import one_at_a_time, parse_shard, run_shares  # benchmarks/_jobs.py
+from _jobs import parse_shard, quantizing, run_shares  # benchmarks/_jobs.py
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -72,7 +71,7 @@ def main() -> None:
     for k, n in args.shapes:
         w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
         for fmt in args.formats:
-            with one_at_a_time("gemv-check") if shard is not None else contextlib.nullcontext():
+            with quantizing(shard, "gemv-check"):
                 if fmt == "w4":
                     q = quantize_int4(w, group_size=128, scale_dtype=torch.bfloat16)
                     f, s, z, group = _word.FMT_W4, q.scales, q.zeros, 128
@@ -95,8 +94,6 @@ def main() -> None:
                                                                         v4.zeros, 128)
                 else:
                     words, meta = q.qweight.view(torch.int32), None
-                if shard is not None:  # the quantizer's temporaries handed back before the next process's
-                    torch.cuda.empty_cache()
             for m in args.ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 base = graph_time_ms(lambda: F.linear(x, w)) if shard is None else 0.0

@@ -48,7 +48,7 @@ def main() -> int:
     from zspeed.kernels import _word
     from zspeed.kernels._runtime import graph_time_ms
 
-    from _jobs import parse_shard, run_shares, tune_by_compiling_share  # benchmarks/_jobs.py
+    from _jobs import parse_shard, quantizing, run_shares, tune_by_compiling_share  # benchmarks/_jobs.py
 
     shard = parse_shard(args.shard) if args.shard else None
     if shard:  # a --jobs process: each tuning compiles this share of its candidates and goes on with the first
@@ -64,12 +64,13 @@ def main() -> int:
         k, n = (int(v) for v in shape.split("x"))
         w = (torch.randn(n, k, device="cuda") * 0.02).to(torch.bfloat16)
         for fmt in args.formats:
-            if fmt == "w4":
-                q = quantize_int4(w, group_size=128, scale_dtype=torch.bfloat16)
-                f, s, z, group = _word.FMT_W4, q.scales, q.zeros, 128
-            else:
-                q = quantize_int8(w, scale_dtype=torch.bfloat16)
-                f, s, z, group = _word.FMT_W8, q.scales, None, 0
+            with quantizing(shard, "tuner-check"):  # the --jobs processes one at a time (the head: several GB)
+                if fmt == "w4":
+                    q = quantize_int4(w, group_size=128, scale_dtype=torch.bfloat16)
+                    f, s, z, group = _word.FMT_W4, q.scales, q.zeros, 128
+                else:
+                    q = quantize_int8(w, scale_dtype=torch.bfloat16)
+                    f, s, z, group = _word.FMT_W8, q.scales, None, 0
             words = q.qweight.view(torch.int32)
             for m in args.ms:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

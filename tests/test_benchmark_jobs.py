@@ -163,16 +163,18 @@ def test_one_at_a_time_lets_one_holder_in_at_once(tmp_path, monkeypatch):
     assert inside.wait(10)
     with jobs.one_at_a_time("other"):  # another script's lock
         order.append("other")
+    with jobs.quantizing(None, "check"):  # the process that times runs alone: no lock to wait for
+        order.append("timing process")
     def second_holder():
-        with jobs.one_at_a_time("check"):
+        with jobs.quantizing((1, 2), "check"):  # a --jobs process: the same lock
             order.append("second in")
 
     second = threading.Thread(target=second_holder)
     second.start()
     second.join(0.3)
-    assert second.is_alive() and order == ["first in", "other"]  # still waiting
+    assert second.is_alive() and order == ["first in", "other", "timing process"]  # still waiting
     release.set()
     t.join(10)
     second.join(10)
-    assert order == ["first in", "other", "first out", "second in"]
+    assert order == ["first in", "other", "timing process", "first out", "second in"]
     assert (tmp_path / "zspeed-check-jobs.lock").exists()
