@@ -91,15 +91,17 @@ the same bytes as if stored tiled (512 contiguous bytes a warp load), no faster.
 the rows two blocks on prefetched into L2) and fewer instructions a word (``128 + code`` into the MMA, the zero
 points' share from a sum of ``x``) were no faster either (runs 188-196; again in session 32, runs 227-229, with warps
 along ``K``: 1-3 % on long runs, 14-33 % slower on short ones, where ptxas puts the sum's MMAs, which wait for ``x``,
-before the first block's loads; L1/L2 prefetches of the next blocks were slower too). The fix-up's cost is a latency
-at the end of the launch: the last program of a run waits for its own stores, an atomic and the other slices'
-partials, about 1.5 us, whatever the number of slices. So the warps may split ``K`` as in the layout above ([Note:
-warps along K]): ``WK`` warps along ``K`` by ``num_warps / WK`` along the rows, a program covering ``WK`` times a
-warp's slice, the warps' sums meeting in shared memory (Triton's reduction across warps) a block at a time. With 8-16
-warps along ``K`` a program covers all of a 4096-column ``K``, and there is no fix-up. On an H100 (run 199, the tuner
-choosing among both) 4096x4096 ran 2.76x of bf16 (7.1 us; run 199's copy without warps along ``K``: 2.35x) and
-4096x6144 2.80x (2.60x); on the larger shapes the choice is within the runs' variation (2.75-3.03x against
-2.90-2.99x). On an H200 (run 201) 4096x4096 went from 2.11x to 2.53x; the other shapes kept their configs.
+before the first block's loads; L1/L2 prefetches of the next blocks were slower too; so were passes over a slice with
+``x`` in shared memory, runs 232-233, by up to 48 % on long ``K``; words as if stored in tiles of 8 rows, run 234 on
+an H200, moved the picks by -3 to +2 %). The fix-up's cost is a latency at the end of the launch: the last program of
+a run waits for its own stores, an atomic and the other slices' partials, about 1.5 us, whatever the number of slices.
+So the warps may split ``K`` as in the layout above ([Note: warps along K]): ``WK`` warps along ``K`` by ``num_warps /
+WK`` along the rows, a program covering ``WK`` times a warp's slice, the warps' sums meeting in shared memory
+(Triton's reduction across warps) a block at a time. With 8-16 warps along ``K`` a program covers all of a 4096-column
+``K``, and there is no fix-up. On an H100 (run 199, the tuner choosing among both) 4096x4096 ran 2.76x of bf16 (7.1
+us; run 199's copy without warps along ``K``: 2.35x) and 4096x6144 2.80x (2.60x); on the larger shapes the choice is
+within the runs' variation (2.75-3.03x against 2.90-2.99x). On an H200 (run 201) 4096x4096 went from 2.11x to 2.53x;
+the other shapes kept their configs.
 2:4 + INT4 with folded rows (``sparse_mma_w4_fold_kernel``) splits its pairs of MMAs the same way: on an H100 (run
 202) 4096x4096 went from 2.45x to 3.14x and 4096x6144 from 2.81x to 3.20x, the larger shapes as before.
 The reduction across the warps a block at a time puts four barriers in every iteration (sm_90 SASS), which keep a
