@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import json
 import sys
 import time
@@ -67,6 +68,12 @@ def build(layers: int, device: str, tiny: bool):
     return model
 
 
+def cache_keyword(model) -> str:
+    """The keyword ``model.forward`` takes its KV cache by: ``cache`` in recent transformers (which warn that
+    ``past_key_values`` goes in 5.40), ``past_key_values`` in older ones (the GPU image's 5.17)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class Decoder:
     """One decode step of ``model`` on a static cache, captured in a CUDA graph (eager on the CPU)."""
 
@@ -79,9 +86,10 @@ class Decoder:
         self.forward = torch.compile(model.forward, dynamic=False) if compile else model.forward
         self.cache = StaticCache(config=model.config, max_batch_size=1, max_cache_len=max_len,
                                  device=self.device, dtype=torch.bfloat16)
+        self.cache_kw = cache_keyword(model)
         with torch.no_grad():
             pos = torch.arange(prompt.shape[1], device=self.device)
-            logits = model(input_ids=prompt, past_key_values=self.cache, cache_position=pos, use_cache=True).logits
+            logits = model(input_ids=prompt, **{self.cache_kw: self.cache}, cache_position=pos, use_cache=True).logits
         self.first = logits[:, -1].argmax(-1, keepdim=True)
         self.ids = self.first.clone()
         self.pos = torch.tensor([prompt.shape[1]], device=self.device)
@@ -98,7 +106,7 @@ class Decoder:
                 length.fill_(position)
 
     def _step(self) -> torch.Tensor:
-        out = self.forward(input_ids=self.ids, past_key_values=self.cache, cache_position=self.pos, use_cache=True)
+        out = self.forward(input_ids=self.ids, **{self.cache_kw: self.cache}, cache_position=self.pos, use_cache=True)
         return out.logits[:, -1].argmax(-1, keepdim=True)
 
     def capture(self) -> None:

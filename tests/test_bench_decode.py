@@ -122,3 +122,20 @@ def test_rows_carry_the_wall_time_of_each_phase(monkeypatch, tmp_path, capsys):
     assert list(rows[1]["phase_seconds"]) == ["quantize", "logits check", "prefill", "first step", "capture"]
     assert all(v >= 0 for r in rows for v in r["phase_seconds"].values())
     assert "zspeed-int4: wall time by phase: quantize" in capsys.readouterr().out
+
+
+def test_the_cache_goes_in_by_the_keyword_the_model_takes():
+    """``cache`` where the installed transformers' forward names it (``past_key_values`` is deprecated there, to go
+    in 5.40), ``past_key_values`` where it does not (older transformers, the GPU image's)."""
+    import inspect
+
+    bench = _bench()
+    model = bench.build(1, "cpu", tiny=True)
+    names = inspect.signature(model.forward).parameters
+    assert bench.cache_keyword(model) == ("cache" if "cache" in names else "past_key_values")
+
+    class Older(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, cache_position=None, use_cache=None):
+            return input_ids
+
+    assert bench.cache_keyword(Older()) == "past_key_values"
