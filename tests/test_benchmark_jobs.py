@@ -165,6 +165,7 @@ def test_one_at_a_time_lets_one_holder_in_at_once(tmp_path, monkeypatch):
         order.append("other")
     with jobs.quantizing(None, "check"):  # the process that times runs alone: no lock to wait for
         order.append("timing process")
+
     def second_holder():
         with jobs.quantizing((1, 2), "check"):  # a --jobs process: the same lock
             order.append("second in")
