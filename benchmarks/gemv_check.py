@@ -2,10 +2,12 @@
 2:4 (plain and + INT4) the kernels on sparse tensor cores (mma: the GEMV up to 8 rows, the GEMM above), for INT4
 the GEMV on tensor cores (dense, up to 8 rows; ``dense_xs`` its configs that keep ``x`` in shared memory, [Note: x in
 shared memory] in kernels/_dense_mma_kernels.py, ``dense`` the others, ``dense_fold`` the kernel with folded rows, up
-to 4 rows).
+to 4 rows); and at 9 to 16 rows, the ``wdot`` path's tiled kernels (``wdot``) beside the INT4 GEMV on ``wgmma``
+(``wgmma``, [Note: INT4 GEMV on wgmma] in kernels/_stripe_wgmma_kernels.py), which that path tunes together.
 
     python benchmarks/gemv_check.py [--ms 1 4] [--shapes 8192x8192 8192x28672 28672x8192] [--formats w4 w8 s24]
-                                    [--kinds tile stationary tma mma mma_stripe mma_fold dense dense_xs dense_fold]
+                                    [--kinds tile stationary tma mma mma_stripe mma_fold dense dense_xs dense_fold
+                                             wdot wgmma]
                                     [--late-sums 1 2] [--balanced] [--jobs N] [--json F]
 
 For each shape (K x N), format (INT4 g128 with zero points, INT8, plain 2:4 by magnitude) and row count:
@@ -38,7 +40,7 @@ def _shape(text: str) -> tuple[int, int]:
 
 
 # kinds whose every config is checked, on NaN-filled memory
-NAN_CHECKED = ("mma", "mma_stripe", "mma_fold", "dense", "dense_xs", "dense_fold")
+NAN_CHECKED = ("mma", "mma_stripe", "mma_fold", "dense", "dense_xs", "dense_fold", "wgmma")
 
 
 def main() -> None:
@@ -48,7 +50,7 @@ def main() -> None:
     p.add_argument("--formats", nargs="*", default=["w4", "w8"], choices=["w4", "w8", "s24", "s24w4"])
     p.add_argument("--kinds", nargs="*", default=["tile", "stationary", "tma"],
                    choices=["tile", "stationary", "tma", "mma", "mma_stripe", "mma_fold", "dense", "dense_xs",
-                            "dense_fold"])
+                            "dense_fold", "wdot", "wgmma"])
     p.add_argument("--late-sums", type=int, nargs="*", default=list(_word.FOLD_LATE_SUMS), choices=[1, 2],
                    help="with warps along K and folded rows (dense_fold, mma_fold), the ways of adding the warps' sums "
                         "after the last block to time beside a block at a time: 1 shared memory, 2 registers")
@@ -104,6 +106,9 @@ def main() -> None:
                 mma_w4 = f == _word.FMT_S24W4 and _sparse_mma.sparse_mma_w4_fits(x, words, meta, s, z, group=group)
                 gemm = m > _sparse_mma.MAX_M and f in (_word.FMT_S24, _word.FMT_S24W4) and _sparse_mma.sparse_gemm_fits(
                     x, words, sp.meta if f == _word.FMT_S24 else meta, w4=f == _word.FMT_S24W4, s=s, z=z, group=group)
+                wdot = [], None  # the wdot path's candidates (with the GEMV on wgmma at 9-16 rows) and launch
+                if f in (_word.FMT_W4, _word.FMT_W8) and {"wdot", "wgmma"} & set(args.kinds):
+                    wdot = _word.wdot_launcher(x, words, s, z, fmt=f, group=group, n=n, k=k)[1:]
                 dense = _word.dense_mma_w4_candidates(m, n, k, x.device) if f == _word.FMT_W4 \
                     and _dense_mma.dense_mma_w4_fits(x, words, s, z, group=group) else []
                 kinds = {"tile": _word.gemv_candidates(f, m, n, words.shape[1], group, x.device),
@@ -126,11 +131,15 @@ def main() -> None:
                          if mma and _sparse_mma.sparse_mma_fold_fits(x, words, sp.meta)
                          else _word.sparse_mma_w4_fold_candidates(m, n, k, x.device, late=late)
                          if mma_w4 and _sparse_mma.sparse_mma_w4_fold_fits(x, words, meta, s, z, group=group)
-                         else []}  # [Note: 2:4 folded rows]
+                         else [],  # [Note: 2:4 folded rows]
+                         "wdot": [c for c in wdot[0] if not c.wgmma_chunk],
+                         "wgmma": [c for c in wdot[0] if c.wgmma_chunk]}  # [Note: INT4 GEMV on wgmma]
                 for kind, cands in kinds.items():
                     if not cands or kind not in args.kinds:
                         continue
-                    def launch(c):
+                    def launch(c, kind=kind):
+                        if kind in ("wdot", "wgmma"):
+                            return wdot[1](c)
                         if c.dense_mma:
                             return _word.run_dense_mma(x, words, s, z, c, n=n, group=group)
                         if c.sparse_mma and f == _word.FMT_S24W4:

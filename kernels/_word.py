@@ -134,6 +134,9 @@ class WordConfig:
     late_sums: int = 0  # fold (INT4, 2:4 + INT4), k_warps > 1: the warps' sums of every block added across them
     # once, after the last block, kept until then in shared memory (1) or in registers (2) ([Note: fold warps along K]
     # in _dense_mma_kernels); 0: a block at a time
+    wgmma_chunk: int = 0  # wdot, INT4 with bf16 x and scales, 9-16 rows on sm_90: > 0 picks the GEMV on wgmma
+    # ([Note: INT4 GEMV on wgmma] in _stripe_wgmma_kernels) with chunks of that many stripes of 128 columns; block_w /
+    # 16 stripes a slice of K, split_k slices, row_blocks blocks of 16 x warps weight rows a program
 
 
 @functools.cache
@@ -950,6 +953,53 @@ def run_dense_mma(x, words, s, z, c: WordConfig, *, n: int, group: int) -> torch
                             x_shared=c.x_shared, workspace=ws)
 
 
+# the INT4 GEMV on wgmma at 9-16 rows ([Note: INT4 GEMV on wgmma] in _stripe_wgmma_kernels): (stripes a chunk,
+# warps); kernels session 33 (H100 and H200) chose chunks of 2 stripes on every shape, 4 and 8 warps alike (chunks of
+# one stripe were 20-40 % slower); slices of 2 to 32 stripes, runs of 1 to 16 blocks
+STRIPE_WGMMA_TILES = ((2, 4), (2, 8))
+STRIPE_WGMMA_SLICES = (2, 4, 8, 16, 32)
+STRIPE_WGMMA_MAX_SPLIT = 16  # more slices of K than this lost in every cell (their partials)
+
+
+def stripe_wgmma_candidates(m: int, n: int, k: int, device: torch.device) -> list[WordConfig]:
+    """Configs of the INT4 GEMV on ``wgmma`` (the caller checks ``_stripe_wgmma.stripe_wgmma_fits``): each of
+    ``STRIPE_WGMMA_TILES`` with every slice of ``STRIPE_WGMMA_SLICES`` stripes (whole chunks, at most a power of two
+    past ``K``, its ``x`` within the shared memory) and every run of row blocks whose grid fills the GPU at least once
+    and at most 16 times (one block where none does); slices whose partials do not fit the workspace are left
+    out."""
+    from ._stripe_wgmma import MAX_M, MAX_X_BYTES, STRIPE_K
+
+    stripes = k // STRIPE_K
+    sms = _sm_count(device.index or 0)
+    out = []
+    for qi, warps in STRIPE_WGMMA_TILES:
+        for q in STRIPE_WGMMA_SLICES:
+            split = cdiv(stripes, q)
+            if q % qi or q >= 2 * max(stripes, qi) or MAX_M * STRIPE_K * q * 2 > MAX_X_BYTES \
+                    or split > STRIPE_WGMMA_MAX_SPLIT or (split > 1 and m * split * n > STATIONARY_WORKSPACE):
+                continue
+            rows = 16 * warps
+            runs = [rb for rb in SPARSE_MMA_RUNS if sms <= split * cdiv(n, rows * rb) <= 16 * sms
+                    and cdiv(n, rows * rb) <= WORKSPACE_COUNTERS] or [1]
+            out += [WordConfig(1, rows, 16 * q, split, warps, row_blocks=rb, wgmma_chunk=qi) for rb in runs]
+    return out
+
+
+def run_stripe_wgmma(x, words, s, z, c: WordConfig, *, n: int, group: int) -> torch.Tensor | None:
+    """The INT4 GEMV on ``wgmma`` with config ``c``; ``None`` where its workspace cannot be made now or is too small
+    for these rows (as :func:`run_dense_mma`)."""
+    from ._stripe_wgmma import run_stripe_wgmma_w4
+
+    ws = None
+    if c.split_k > 1:
+        ws = _stationary_workspace(x.device)
+        if ws is None or not _workspace_fits(x.shape[0] * c.split_k * n, cdiv(n, c.block_n * c.row_blocks)):
+            return None
+    q = c.block_w // 16
+    return run_stripe_wgmma_w4(x, words, s, z, n=n, group=group, chunk_stripes=c.wgmma_chunk,
+                               chunks=q // c.wgmma_chunk, row_blocks=c.row_blocks, warps=c.warps, workspace=ws)
+
+
 SPARSE_GEMM_TILES = {2: ((8, 4, 1, 1), (8, 4, 0, 1), (16, 4, 0, 1), (8, 8, 1, 1), (16, 8, 0, 1), (4, 8, 1, 2),
                          (4, 4, 1, 2)),
                      4: ((4, 4, 1, 1), (8, 4, 1, 1), (8, 4, 0, 1), (4, 8, 1, 1), (8, 8, 0, 1), (4, 4, 1, 2),
@@ -1211,8 +1261,18 @@ def wdot_launcher(x, words, s, z, *, fmt: int, group: int, n: int, k: int):
     if not candidates:
         raise ValueError(f"the wdot path has no tile for groups of {group} columns (its tiles of 16 to 128 columns "
                          "must lie in one group or span whole groups); use path='splitk', 'tiled' or 'dense'")
+    if fmt == FMT_W4:
+        from ._stripe_wgmma import stripe_wgmma_fits
+
+        if stripe_wgmma_fits(x, words, s, z, group=group):  # 9-16 rows: [Note: INT4 GEMV on wgmma]
+            candidates = candidates + stripe_wgmma_candidates(m, n, k, x.device)
 
     def launch(c: WordConfig) -> torch.Tensor:  # the plane-major copy, where read, is timed with the kernel
+        if c.wgmma_chunk:
+            out = run_stripe_wgmma(x, words, s, z, c, n=n, group=group)
+            if out is not None:
+                return out
+            c = next(t for t in candidates if not t.wgmma_chunk)  # no workspace now or too small: a tiled kernel
         if c.pipelined:
             from ._pipelined import run_fragment, run_pipelined, run_specialized
 

@@ -35,7 +35,8 @@ columns keeps ``gemv`` up to ``dense_gemv_max_m`` rows where its GEMV on tensor 
 on tensor cores] in ``_dense_mma_kernels``), for the same reason: 1 to 8 rows of ``x`` are one MMA's
 columns (H100, kernels runs 163-164: 2.36-2.57x of bf16 at 4 rows and 2.11-2.41x at 8, where ``wdot`` gave
 1.94-2.25x at 4 rows, run 153). From 9 rows it would run two blocks of 8 through each fragment, and lost to
-``wdot`` there (1.30-1.61x at 16 rows against 1.90-2.22x, runs 149 and 163), so ``wdot`` keeps them.
+``wdot`` there (1.30-1.61x at 16 rows against 1.90-2.22x, runs 149 and 163), so ``wdot`` keeps them; its tuner
+also times the GEMV on ``wgmma`` there ([Note: INT4 GEMV on wgmma] in ``_stripe_wgmma_kernels``).
 Shapes the word kernels cannot read, and the 2:4 formats above ``gemv_max_m``, use
 the generic skeleton: split-K keeps the GPU full when the output has few tiles. At
 medium ``M`` a tiled GEMM still saves bytes. At large ``M`` the matmul is compute-bound

@@ -36,11 +36,12 @@ import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.runtime.jit import mangle_type
 from triton.experimental.gluon._runtime import GluonASTSource
-from zspeed.kernels import _dense_mma_kernels, _sparse_gemm_kernels, _sparse_mma_kernels
+from zspeed.kernels import _dense_mma_kernels, _sparse_gemm_kernels, _sparse_mma_kernels, _stripe_wgmma_kernels
 
 kernel_name, const = sys.argv[1], json.loads(sys.argv[2])
 fn = getattr(_sparse_gemm_kernels if kernel_name.startswith("sparse_gemm") else _dense_mma_kernels
-             if kernel_name.startswith("dense") else _sparse_mma_kernels, kernel_name)
+             if kernel_name.startswith("dense") else _stripe_wgmma_kernels if kernel_name.startswith("stripe_wgmma")
+             else _sparse_mma_kernels, kernel_name)
 w4 = kernel_name.endswith("w4_kernel") or const.get("W4", False)  # 2:4 + INT4: codes read as int16, scales, zeros
 w_dtype = torch.int16 if w4 else torch.int32
 x_dtype = torch.int32
@@ -66,13 +67,18 @@ if kernel_name == "dense_mma_w4_fold_kernel":  # the same with folded rows
     const.setdefault("WK", 1)
     const.setdefault("LATE", False)
     w_dtype, x_dtype = torch.int32, torch.int16
+if kernel_name == "stripe_wgmma_w4_kernel":  # INT4 words, bf16 x and scales, the asm and the codes' layout
+    const["ASM"], const["ASM_IO"] = _stripe_wgmma_kernels.stripe_wgmma_asm()
+    const.setdefault("MN", 16)
+    const["CL"] = _stripe_wgmma_kernels.stripe_layout(const["num_warps"], const["QI"])  # (a layout: not JSON)
+    w_dtype, x_dtype = torch.int32, torch.bfloat16
 n, k = 8192, 8192
 values = dict(x_ptr=torch.empty(1, dtype=x_dtype), w_ptr=torch.empty(1, dtype=w_dtype),
               meta_ptr=torch.empty(1, dtype=m_dtype), s_ptr=torch.empty(1, dtype=torch.bfloat16),
               z_ptr=torch.empty(1, dtype=torch.uint8), part_ptr=torch.empty(1, dtype=torch.float32),
               count_ptr=torch.empty(1, dtype=torch.int32), out_ptr=torch.empty(1, dtype=torch.bfloat16),
               M=1, N=n, TILES=k // 32, MMAS=k // 64, PAIRS=k // 128, STRIPES=k // 128, SPLIT=4, CHUNKS=8, RUNS=n // 64,
-              stride_xm=k if x_dtype == torch.int16 else k // 2, stride_wn=k // 8 if w4 else k // 4,
+              stride_xm=k if x_dtype in (torch.int16, torch.bfloat16) else k // 2, stride_wn=k // 8 if w4 else k // 4,
               stride_mn=k // 32, stride_sn=k // 128, stride_zn=k // 128, stride_om=n)
 names = [a for a in fn.arg_names if a not in const]
 sig = {a: mangle_type(values[a]) for a in names}

@@ -8,96 +8,16 @@ reference at full size (``benchmarks/gemv_check.py --formats w4 --kinds dense de
 kernels runs 160-163 and 185-186)."""
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 
 import pytest
 import torch
 
 from tests.gemv_kernels import Picked, compile_gemv_kernel, loop_around, record_offers
+from tests.ptx_emulator import emulate, pair
 from zspeed.kernels import KernelPolicy, _dense_mma, _word
 
 _kernels = pytest.importorskip("zspeed.kernels._dense_mma_kernels", reason="this triton has no Gluon")
-
-
-def _bf16_bits(v: torch.Tensor) -> torch.Tensor:
-    return v.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
-
-
-def _pair(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    return _bf16_bits(lo) | (_bf16_bits(hi) << 16)
-
-
-def _unpair(reg: int) -> tuple[float, float]:
-    both = torch.tensor([reg & 0xFFFF, (reg >> 16) & 0xFFFF], dtype=torch.int32).to(torch.int16)
-    lo, hi = both.view(torch.bfloat16).float().tolist()
-    return lo, hi
-
-
-def _emulate(asm: str, operands: list[list[int | float]]) -> list[list[float]]:
-    """Run the inline asm on 32 lanes: ``operands[lane][i]`` is ``$i`` (outputs first, ignored on input); the
-    instructions the stripe's asm uses, ``mma.sync.m16n8k16`` across the lanes as the PTX ISA lays out its fragments."""
-    regs = [dict() for _ in range(32)]
-
-    def val(lane: int, name: str):
-        if name.startswith("$"):
-            return operands[lane][int(name[1:])]
-        if name.startswith("0f"):
-            return 0.0
-        if name.startswith("0x") or name.isdigit():
-            return int(name, 0)
-        return regs[lane][name]
-
-    outputs = [[0.0] * 8 for _ in range(32)]
-    for line in asm.splitlines():
-        line = line.strip().rstrip(";")
-        if not line or line in "{}" or line.startswith(".reg"):
-            continue
-        op, rest = line.split(None, 1)
-        if op.startswith("mma.sync"):
-            groups = [g.split(", ") for g in re.findall(r"\{([^}]*)\}", rest)]
-            d, a, b, c = groups
-            A, B, C = torch.zeros(16, 16), torch.zeros(16, 8), torch.zeros(16, 8)
-            for lane in range(32):
-                g, t = lane // 4, lane % 4
-                a_vals = [_unpair(val(lane, r)) for r in a]
-                for (row, col), (lo, hi) in zip(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)),
-                                                a_vals):
-                    A[row, col], A[row, col + 1] = lo, hi
-                for i, r in enumerate(b):
-                    B[2 * t + 8 * i, g], B[2 * t + 8 * i + 1, g] = _unpair(val(lane, r))
-                for i, r in enumerate(c):
-                    C[g + 8 * (i // 2), 2 * t + i % 2] = val(lane, r)
-            D = A @ B + C
-            for lane in range(32):
-                g, t = lane // 4, lane % 4
-                for i, r in enumerate(d):
-                    regs[lane][r] = D[g + 8 * (i // 2), 2 * t + i % 2].item()
-            continue
-        args = rest.split(", ")
-        for lane in range(32):
-            v = [val(lane, x) for x in args[1:]]
-            if op in ("mov.b32", "mov.f32"):
-                out = v[0]
-            elif op == "shr.u32":
-                out = (v[0] & 0xFFFFFFFF) >> v[1]
-            elif op == "lop3.b32":
-                lut, out = v[3], 0
-                for bit in range(32):
-                    idx = (((v[0] >> bit) & 1) << 2) | (((v[1] >> bit) & 1) << 1) | ((v[2] >> bit) & 1)
-                    out |= ((lut >> idx) & 1) << bit
-            elif op == "add.f32":
-                out = v[0] + v[1]
-            elif op == "fma.rn.bf16x2":
-                (a0, a1), (b0, b1), (c0, c1) = (_unpair(x) for x in v)
-                out = int(_pair(torch.tensor(a0 * b0 + c0), torch.tensor(a1 * b1 + c1)))
-            else:
-                raise AssertionError(f"the emulator does not know {op}")
-            if args[0].startswith("$"):
-                outputs[lane][int(args[0][1:])] = out
-            else:
-                regs[lane][args[0]] = out
-    return outputs
 
 
 @pytest.mark.parametrize("nt", [1, 2])
@@ -109,7 +29,7 @@ def test_stripe_asm_multiplies_codes_minus_zero_by_x(nt):
     words = sum((codes[:, i::8] << (4 * i)) for i in range(8))  # (16, 16): nibble i of word c is column 8c + i
     asm, io = _kernels.w4_dense_asm(nt)
     assert io.count("=f") == 4 * nt and io.count("r") == 4 * (4 + 4 * nt)
-    nz = _pair(-(128.0 + zero).float(), -(128.0 + zero).float())  # -(128 + zero) in both halves
+    nz = pair(-(128.0 + zero).float(), -(128.0 + zero).float())  # -(128 + zero) in both halves
     operands = []
     for lane in range(32):
         g, t = lane // 4, lane % 4
@@ -118,10 +38,10 @@ def test_stripe_asm_multiplies_codes_minus_zero_by_x(nt):
         for tile in range(nt):  # B of word w, slot j: x[c + j] low, x[c + j + 4] high, c = 8 (4t + w)
             for w in range(4):
                 c = 8 * (4 * t + w)
-                ops += [int(_pair(x[8 * tile + g, c + j], x[8 * tile + g, c + j + 4])) for j in range(4)]
+                ops += [int(pair(x[8 * tile + g, c + j], x[8 * tile + g, c + j + 4])) for j in range(4)]
         ops += [int(nz[g])] * 4 + [int(nz[g + 8])] * 4
         operands.append(ops)
-    out = _emulate(asm, operands)
+    out = emulate(asm, operands)
     want = x @ (codes - zero[:, None]).float().T  # (rows of x, weight rows)
     for lane in range(32):
         g, t = lane // 4, lane % 4
@@ -218,17 +138,17 @@ def test_folded_stripe_asm_multiplies_codes_minus_zero_by_x():
     words = sum((codes[:, i::8] << (4 * i)) for i in range(8))  # (8, 16): nibble i of word c is column 8c + i
     asm, io = _kernels.w4_dense_fold_asm()
     assert io.count("=f") == 4 and io.count("r") == 16
-    nz = _pair(-(128.0 + zero).float(), -(128.0 + zero).float())
+    nz = pair(-(128.0 + zero).float(), -(128.0 + zero).float())
     operands = []
     for lane in range(32):
         g, t = lane // 4, lane % 4
         i, h = g // 2, g % 2
         ops = [0.0] * 4 + [int(words[g, 4 * t + u]) for u in range(4)]
         cols = [8 * (4 * t + u) + h for u in range(4)]  # B register 0: columns c + h and c + h + 4, register 1: + 2
-        ops += [int(_pair(x[i, c], x[i, c + 4])) for c in cols] + [int(_pair(x[i, c + 2], x[i, c + 6])) for c in cols]
+        ops += [int(pair(x[i, c], x[i, c + 4])) for c in cols] + [int(pair(x[i, c + 2], x[i, c + 6])) for c in cols]
         ops += [int(nz[g])] * 4
         operands.append(ops)
-    out = _emulate(asm, operands)
+    out = emulate(asm, operands)
     want = x @ (codes - zero[:, None]).float().T  # (rows of x, weight rows)
     for lane in range(32):
         g, t = lane // 4, lane % 4
