@@ -61,6 +61,7 @@ pipelined wdot] in ``_pipelined_kernels``).
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from dataclasses import dataclass, replace
 
@@ -591,12 +592,19 @@ def _pick(key: tuple, candidates: list[WordConfig], launch) -> WordConfig:
     elif torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return candidates[0]  # cannot time inside a capture: run the first candidate, tune at the next eager call
     else:
-        best = _tuning_cache().get(key)
-        if best not in candidates:  # not cached, or cached by a version with other candidates
+        stored = cache_key(key, candidates)
+        best = _tuning_cache().get(stored)
+        if best not in candidates:  # not cached (for this candidate list)
             best = _fastest(candidates, launch)
-            _tuning_cache().put(key, best)
+            _tuning_cache().put(stored, best)
     _BEST[key] = best
     return best
+
+
+def cache_key(key: tuple, candidates: list[WordConfig]) -> tuple:
+    """The tuning cache's key of a choice among ``candidates``: ``key`` and a digest of the list, so that a choice
+    made among other candidates (an older version's, before a kernel joined them) is tuned again, not kept."""
+    return key + (hashlib.sha1(repr(candidates).encode()).hexdigest()[:12],)
 
 
 def _rejected(e: Exception) -> bool:

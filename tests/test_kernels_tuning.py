@@ -147,7 +147,7 @@ def test_pick_times_once_keeps_the_fastest_and_reuses_the_cache(tmp_path, monkey
     monkeypatch.setattr(_word, "graph_time_ms", fake_time)
     launch = lambda c: calls.append(c) or times[c]  # noqa: E731
     assert _word._pick(KEY, [A, B], launch) == B
-    assert calls == [A, B] and TuningCache(cache.path).get(KEY) == B
+    assert calls == [A, B] and TuningCache(cache.path).get(_word.cache_key(KEY, [A, B])) == B
     # a new process: nothing in memory, the disk answers without timing
     monkeypatch.setattr(_word, "_BEST", {})
     calls.clear()
@@ -156,7 +156,11 @@ def test_pick_times_once_keeps_the_fastest_and_reuses_the_cache(tmp_path, monkey
     monkeypatch.setattr(_word, "_BEST", {})
     calls.clear()
     assert _word._pick(KEY, [A, C], launch) == A and calls == [A, C]
-    assert TuningCache(cache.path).get(KEY) == A
+    assert TuningCache(cache.path).get(_word.cache_key(KEY, [A, C])) == A
+    # and so is one made among fewer candidates, though it is still one of them (a kernel joined the list)
+    monkeypatch.setattr(_word, "_BEST", {})
+    calls.clear()
+    assert _word._pick(KEY, [A, B, C], launch) == B and calls == [A, B, C]
 
 
 D = _word.WordConfig(1, 64, 64, 1, 4)
@@ -220,7 +224,7 @@ def test_pick_keeps_the_finalists_winner(tmp_path, monkeypatch):
     monkeypatch.setattr(_word, "interpreting", lambda: False)
     monkeypatch.setattr(_word, "_BEST", {})
     _noisy_timer(monkeypatch, {A: [1.00, 1.2, 1.2, 1.2], B: [1.05, 1.1, 1.1, 1.1]})
-    assert _word._pick(KEY, [A, B], lambda c: c) == B and TuningCache(cache.path).get(KEY) == B
+    assert _word._pick(KEY, [A, B], lambda c: c) == B and TuningCache(cache.path).get(_word.cache_key(KEY, [A, B])) == B
 
 
 def test_semi_structured_form_is_cached_per_tensor_and_version(monkeypatch):
