@@ -963,7 +963,7 @@ def run_dense_mma(x, words, s, z, c: WordConfig, *, n: int, group: int) -> torch
 
 # the INT4 GEMV on wgmma at 9-16 rows ([Note: INT4 GEMV on wgmma] in _stripe_wgmma_kernels): (stripes a chunk,
 # warps); kernels session 33 (H100 and H200) chose chunks of 2 stripes on every shape, 4 and 8 warps alike (chunks of
-# one stripe were 20-40 % slower); slices of 2 to 32 stripes, runs of 1 to 16 blocks
+# one stripe were 25-41 % slower); slices of 2 to 32 stripes, runs of 1 to 16 blocks
 STRIPE_WGMMA_TILES = ((2, 4), (2, 8))
 STRIPE_WGMMA_SLICES = (2, 4, 8, 16, 32)
 STRIPE_WGMMA_MAX_SPLIT = 16  # more slices of K than this lost in every cell (their partials)
