@@ -52,7 +52,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from ._sparse_mma_kernels import _cta_barrier, finish_run
+from ._sparse_mma_kernels import _cta_barrier, _store_sums, finish_run
 
 # (rows, stripe, t, u, i2, i1, i0) -> (rows, stripe, u, i2, i1, t, i0): a block's codes in the fragment's column order
 CODE_ORDER = gl.constexpr((0, 1, 3, 4, 5, 2, 6))
@@ -224,11 +224,7 @@ def stripe_wgmma_w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         if c == QC - 1:  # the block's sums: with one slice the output itself, else this slice's fp32 partials
             row = rows + o_row
-            live = (o_m < M) & (row < N)
-            if PARTIAL:
-                gl.store(part_ptr + (o_m * SPLIT + pid_k) * N + row, acc, mask=live)
-            else:
-                gl.store(out_ptr + o_m * stride_om + row, acc.to(out_ptr.dtype.element_ty), mask=live)
+            _store_sums(acc, out_ptr, part_ptr, row, o_m, (o_m < M) & (row < N), N, SPLIT, pid_k, stride_om, PARTIAL)
     if PARTIAL:
         finish_run(part_ptr, count_ptr, out_ptr, pid_r, row0, 0, M, N, SPLIT, stride_om, ROWS * ROW_BLOCKS, FIX_K,
                    num_warps)

@@ -554,6 +554,19 @@ def _workspace_fits(partials: int, counters: int) -> bool:
     return partials <= STATIONARY_WORKSPACE and counters <= WORKSPACE_COUNTERS
 
 
+def _slices_workspace(x: torch.Tensor, c: WordConfig, n: int, counters: int) -> tuple[bool, tuple | None]:
+    """The fix-up workspace of config ``c``'s slices of ``K`` for ``x``'s rows and ``counters`` counters ([Note:
+    split-K fix-up]): ``(True, None)`` with one slice, ``(True, (partials, counters))`` where the device's fits, and
+    ``(False, None)`` where it cannot be made now (a capture before the first eager call) or is too small: the GEMV
+    kernels' callers then run another kernel."""
+    if c.split_k == 1:
+        return True, None
+    ws = _stationary_workspace(x.device)
+    if ws is None or not _workspace_fits(x.shape[0] * c.split_k * n, counters):
+        return False, None
+    return True, ws
+
+
 def wdot_candidates(fmt: int, m: int, n: int, kw: int, group: int, device: torch.device,
                     packed: int = 0, half_x: bool = False) -> list[WordConfig]:
     """The full-depth kernel's configs first (the interpreter runs the first), then the per-plane kernel's;
@@ -945,11 +958,9 @@ def run_dense_mma(x, words, s, z, c: WordConfig, *, n: int, group: int) -> torch
     small for these rows (as :func:`run_stationary`)."""
     from ._dense_mma import run_dense_mma_w4
 
-    ws = None
-    if c.split_k > 1:
-        ws = _stationary_workspace(x.device)
-        if ws is None or not _workspace_fits(x.shape[0] * c.split_k * n, cdiv(n, c.block_n * c.row_blocks)):
-            return None
+    ok, ws = _slices_workspace(x, c, n, cdiv(n, c.block_n * c.row_blocks))
+    if not ok:
+        return None
     if c.fold:
         from ._dense_mma import run_dense_mma_w4_fold
 
@@ -998,11 +1009,9 @@ def run_stripe_wgmma(x, words, s, z, c: WordConfig, *, n: int, group: int) -> to
     for these rows (as :func:`run_dense_mma`)."""
     from ._stripe_wgmma import run_stripe_wgmma_w4
 
-    ws = None
-    if c.split_k > 1:
-        ws = _stationary_workspace(x.device)
-        if ws is None or not _workspace_fits(x.shape[0] * c.split_k * n, cdiv(n, c.block_n * c.row_blocks)):
-            return None
+    ok, ws = _slices_workspace(x, c, n, cdiv(n, c.block_n * c.row_blocks))
+    if not ok:
+        return None
     q = c.block_w // 16
     return run_stripe_wgmma_w4(x, words, s, z, n=n, group=group, chunk_stripes=c.wgmma_chunk,
                                chunks=q // c.wgmma_chunk, row_blocks=c.row_blocks, warps=c.warps, workspace=ws)
@@ -1053,12 +1062,10 @@ def run_sparse_mma(x, words, meta, c: WordConfig, *, n: int, s=None, z=None, gro
     from ._sparse_mma import run_sparse_gemm, run_sparse_gemm_w4, run_sparse_mma as run, run_sparse_mma_w4
 
     m = x.shape[0]
-    ws = None
     if c.block_m > 1:
-        if c.split_k > 1:
-            ws = _stationary_workspace(x.device)
-            if ws is None or not _workspace_fits(m * c.split_k * n, cdiv(m, c.block_m) * cdiv(n, c.block_n)):
-                return None
+        ok, ws = _slices_workspace(x, c, n, cdiv(m, c.block_m) * cdiv(n, c.block_n))
+        if not ok:
+            return None
         blocks = c.block_n // (16 * c.warps)
         if s is not None:
             return run_sparse_gemm_w4(x, words, meta, s, z, n=n, group=group, tiles_per_chunk=c.block_w // 8,
@@ -1066,10 +1073,9 @@ def run_sparse_mma(x, words, meta, c: WordConfig, *, n: int, s=None, z=None, gro
                                       blocks=blocks, workspace=ws)
         return run_sparse_gemm(x, words, meta, n=n, tiles_per_chunk=c.block_w // 8, groups=c.block_m // 8,
                                split=c.split_k, warps=c.warps, depth=c.prefetch, blocks=blocks, workspace=ws)
-    if c.split_k > 1:
-        ws = _stationary_workspace(x.device)
-        if ws is None or not _workspace_fits(m * c.split_k * n, cdiv(n, c.block_n * c.row_blocks)):
-            return None
+    ok, ws = _slices_workspace(x, c, n, cdiv(n, c.block_n * c.row_blocks))
+    if not ok:
+        return None
     if s is not None and c.fold:
         from ._sparse_mma import run_sparse_mma_w4_fold
 
@@ -1100,13 +1106,10 @@ def run_stationary(x, words, s, z, c: WordConfig, *, fmt: int, group: int, n: in
     m, kw = x.shape[0], words.shape[1]
     runs = cdiv(n, c.block_n * c.row_blocks)
     out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    if c.split_k > 1:
-        ws = _stationary_workspace(x.device)
-        if ws is None or not _workspace_fits(m * c.split_k * n, m * runs):
-            return None
-        partials, counters = ws
-    else:  # one slice: the kernel stores the output directly and touches neither
-        partials, counters = out, words
+    ok, ws = _slices_workspace(x, c, n, m * runs)
+    if not ok:
+        return None
+    partials, counters = ws or (out, words)  # one slice: the kernel stores the output directly and touches neither
     wg = c.block_w if fmt == FMT_W8 else group // CPW[fmt]  # words per group (INT8: per slice, one "group")
     fix_k = max(1, min(16, 4096 // (c.block_n * c.row_blocks)))  # the fix-up has 2 * fix_k slices in flight
     zz = z if z is not None else s

@@ -249,3 +249,19 @@ def test_semi_structured_form_is_cached_per_tensor_and_version(monkeypatch):
     del values
     gc.collect()
     assert semi._CACHE == {}
+
+
+def test_slices_workspace_is_none_for_one_slice_and_refused_where_missing_or_too_small(monkeypatch):
+    """The GEMV kernels' shared check of their split-K fix-up workspace: with no workspace yet (a capture before the
+    first eager call) or one too small for the rows, the GEMV declines (``None``) and its caller runs another."""
+    x = torch.zeros(16, 256)
+    one, split = (_word.WordConfig(1, 64, 32, k, 4, row_blocks=1, wgmma_chunk=2) for k in (1, 2))
+    ws = (torch.zeros(16), torch.zeros(4, dtype=torch.int32))
+    monkeypatch.setattr(_word, "_stationary_workspace", lambda device: ws)
+    assert _word._slices_workspace(x, one, 64, 1) == (True, None)
+    assert _word._slices_workspace(x, split, 64, 1) == (True, ws)
+    assert _word._slices_workspace(x, split, _word.STATIONARY_WORKSPACE, 1) == (False, None)  # partials too many
+    assert _word._slices_workspace(x, split, 64, _word.WORKSPACE_COUNTERS + 1) == (False, None)
+    monkeypatch.setattr(_word, "_stationary_workspace", lambda device: None)
+    assert _word._slices_workspace(x, split, 64, 1) == (False, None)
+    assert _word.run_stripe_wgmma(x, None, None, None, split, n=64, group=128) is None  # declined before launch
