@@ -144,5 +144,7 @@ def run_dense_mma_w4_fold(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor,
         x.stride(0), words.stride(0), s.stride(0), zz.stride(0), out.stride(0),
         GROUP=group, HAS_ZEROS=z is not None, Q=q // k_warps, WK=k_warps, ROW_BLOCKS=rb, DEPTH=depth,
         EVEN_K=stripes % q == 0, PARTIAL=split > 1, FIX_K=max(1, min(16, 4096 // run)),
-        LATE=late, ASM=asm, ASM_IO=io, num_warps=warps)
+        LATE=late, ASM=asm, ASM_IO=io, XVEC=m == 1 and x.data_ptr() % 16 == 0, num_warps=warps)
+    # (x a word at a time, [Note: x a word at a time] in _dense_mma_kernels: timed at one row only, and its 16-byte
+    # loads need x's start at a multiple of 16 bytes)
     return out

@@ -130,6 +130,17 @@ of two. Compiled for sm_90 on the CPU (``tests/test_kernels_dense_mma.py``). Mea
 4096x28672 (14 blocks, 31.3 us; the same config in runs of 16, 33.3 us; the best power of two, 32.2 us) and for
 the head (61 blocks, 108.2 us against 109.6 us), and none elsewhere. So they are offered by default
 (``_word.FOLD_BALANCED``).
+
+[Note: x a word at a time] With folded rows a lane's ``B`` registers of a word ``c .. c + 7`` hold four of its 8 values
+of ``x`` (``c + p``, ``c + p + 2``, ``c + p + 4``, ``c + p + 6`` for the lane's parity ``p``). Gathered 2 bytes at a
+time, that is 16 loads a stripe, and Nsight Compute (kernels run 249, H200, 8192x8192) counted 0.52 M L2 sector
+requests for them against 1.05 M for the words, three quarters of them beyond the bytes used. With ``XVEC`` each
+lane reads the word's 16 bytes in one load (4 int32, each a pair of values) and takes the halves of its parity with
+one ``prmt`` a register (``X_HALVES_ASM``). Measured at one row, each config checked on NaN-filled memory, the tuner's
+picks before / after in the same call (kernels runs 256-257, us): H200 8192x8192 16.8 / 16.1-16.2, 4096x6144 9.1 /
+8.8-8.9, 4096x4096 6.6 / 6.0-6.2, 14336x4096 16.0 / 15.3-15.4, 4096x28672 26.4 / 25.8; H100 19.5 / 18.9-19.0, 9.1 /
+8.8-8.9, 7.1 / 6.8, 18.3 / 17.7, 30.8 / 30.2-30.3. Only one row was timed, so the launcher sets ``XVEC`` at one row,
+where ``x`` starts at a multiple of 16 bytes (the loads' alignment); 2-4 rows keep the gathers.
 """
 from __future__ import annotations
 
@@ -142,6 +153,11 @@ from ._sparse_mma_kernels import (_along3, _along4, _block_sums, _cta_barrier, _
                                   _late_sums_keeper, _store_sums, finish_run, group_params)
 
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+# [Note: x a word at a time]: two int32 of x (a bf16 pair each) to the B register of a lane of parity p: the low halves
+# (p = 0) or the high halves (p = 1) of the two, the first one's in the low half
+X_HALVES_ASM = gl.constexpr("prmt.b32 $0, $1, $2, $3;")
+X_LOW_HALVES = gl.constexpr(0x5410)  # (the selectors of parity 0 and 1)
+X_HIGH_HALVES = gl.constexpr(0x7632)
 
 
 @functools.cache
@@ -333,6 +349,40 @@ def _x_pairs(xrow, xmask):
     return lo | (hi << 16)
 
 
+@gluon.jit
+def _x_word_pairs(x_ptr, g, t, u, q, M, STRIPES, stride_xm, Q: gl.constexpr, WR: gl.constexpr, WK: gl.constexpr,
+                  L4: gl.constexpr):
+    """The two ``B`` registers of each word with folded rows (as :func:`_x_pairs` at ``c + g % 2`` and ``c + g % 2 +
+    2``), from one 16-byte load a word ([Note: x a word at a time]): the 4 int32 of ``x[c .. c + 7]`` (row ``g //
+    2``), register 0 the halves ``g % 2`` of int32 0 and 2, register 1 of int32 1 and 3. ``x_ptr`` points at int16
+    (bf16 bits)."""
+    L5: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, Q, 4, 4], threads_per_warp=[1, 32, 1, 1, 1],
+                                        warps_per_cta=[WR, 1, WK, 1, 1], order=[4, 3, 2, 1, 0])  # (L4's, then 4 int32)
+    i = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, L5)))))
+    i5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(i, 0), 0), 0), 0)
+    g5 = gl.expand_dims(gl.convert_layout(g, gl.SliceLayout(4, L5)), 4)
+    t5 = gl.expand_dims(gl.convert_layout(t, gl.SliceLayout(4, L5)), 4)
+    u5 = gl.expand_dims(gl.convert_layout(u, gl.SliceLayout(4, L5)), 4)
+    q5 = gl.expand_dims(gl.convert_layout(q, gl.SliceLayout(4, L5)), 4)
+    x32 = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    word = gl.load(x32 + (g5 // 2) * (stride_xm // 2) + q5 * 64 + 4 * (4 * t5 + u5) + i5,
+                   mask=(g5 // 2 < M) & (q5 < STRIPES) & (i5 < 4), other=0)
+    i0, i1, i2, i3 = _split4(word)  # int32 j holds x[c + 2j] and x[c + 2j + 1]
+    sel = gl.convert_layout(gl.where(g % 2 == 1, X_HIGH_HALVES, X_LOW_HALVES), i0.type.layout)
+    b0 = gl.inline_asm_elementwise(X_HALVES_ASM, "=r,r,r,r", [i0, i2, sel], dtype=gl.int32, is_pure=True, pack=1)
+    b1 = gl.inline_asm_elementwise(X_HALVES_ASM, "=r,r,r,r", [i1, i3, sel], dtype=gl.int32, is_pure=True, pack=1)
+    return gl.convert_layout(b0, L4), gl.convert_layout(b1, L4)
+
+
+@gluon.jit
+def _split4(v):
+    """The four values of ``v``'s last axis (4 a thread), in order, each without it."""
+    even, odd = gl.split(gl.reshape(v, v.shape[:-1] + [2, 2]))  # (the last axis of the reshape is the index's bit 0)
+    v0, v2 = gl.split(even)
+    v1, v3 = gl.split(odd)
+    return v0, v1, v2, v3
+
+
 @functools.cache
 def w4_dense_fold_asm() -> tuple[str, str]:
     """One stripe of INT4 weights with folded rows ([Note: INT4 GEMV with folded rows]), for ``pack=4``: slot ``u``
@@ -374,7 +424,8 @@ def dense_mma_w4_fold_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, ou
                              stride_xm, stride_wn, stride_sn, stride_zn, stride_om, GROUP: gl.constexpr,
                              HAS_ZEROS: gl.constexpr, Q: gl.constexpr, WK: gl.constexpr, ROW_BLOCKS: gl.constexpr,
                              DEPTH: gl.constexpr, EVEN_K: gl.constexpr, PARTIAL: gl.constexpr, FIX_K: gl.constexpr,
-                             LATE: gl.constexpr, ASM: gl.constexpr, ASM_IO: gl.constexpr, num_warps: gl.constexpr):
+                             LATE: gl.constexpr, ASM: gl.constexpr, ASM_IO: gl.constexpr, XVEC: gl.constexpr,
+                             num_warps: gl.constexpr):
     """INT4 with folded rows: ``out[M, N] = x @ dequant(words)^T`` for ``M <= 4`` ([Note: INT4 GEMV with folded
     rows]). Operands as ``dense_mma_w4_kernel``; a program owns ``WK * Q`` stripes, ``Q`` a warp, its warps ``WK``
     along ``K`` by ``num_warps / WK`` along the rows ([Note: fold warps along K]), each of those taking 8 weight rows of
@@ -397,10 +448,13 @@ def dense_mma_w4_fold_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, ou
     t = lane % 4
     # B: column g is row g // 2 of x over segment g % 2; for word c .. c + 7 (c = 128 q + 8 (4t + u)) register 0
     # holds columns c + g % 2 and c + g % 2 + 4, register 1 the same + 2
-    xrow = x_ptr + (g // 2) * stride_xm + q * 128 + 8 * (4 * t + u) + g % 2
-    xmask = (g // 2 < M) & (q < STRIPES)
-    b0 = _x_pairs(xrow, xmask)
-    b1 = _x_pairs(xrow + 2, xmask)
+    if XVEC:  # the word's 8 values of x in one 16-byte load, the lane's halves picked out
+        b0, b1 = _x_word_pairs(x_ptr, g, t, u, q, M, STRIPES, stride_xm, Q, WR, WK, L4)
+    else:
+        xrow = x_ptr + (g // 2) * stride_xm + q * 128 + 8 * (4 * t + u) + g % 2
+        xmask = (g // 2 < M) & (q < STRIPES)
+        b0 = _x_pairs(xrow, xmask)
+        b1 = _x_pairs(xrow + 2, xmask)
 
     w_row = 8 * _along4(WR, 0, L4) + g
     lane3 = _along3(32, 1, Q3)

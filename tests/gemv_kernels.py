@@ -66,6 +66,7 @@ if kernel_name == "dense_mma_w4_fold_kernel":  # the same with folded rows
     const["ASM"], const["ASM_IO"] = _dense_mma_kernels.w4_dense_fold_asm()
     const.setdefault("WK", 1)
     const.setdefault("LATE", False)
+    const.setdefault("XVEC", True)  # x a word at a time
     w_dtype, x_dtype = torch.int32, torch.int16
 if kernel_name == "stripe_wgmma_w4_kernel":  # INT4 words, bf16 x and scales, the asm and the codes' layout
     const["ASM"], const["ASM_IO"] = _stripe_wgmma_kernels.stripe_wgmma_asm()

@@ -79,6 +79,9 @@ def emulate(asm: str, operands: list[list[int | float]]) -> list[list[float]]:
             elif op == "fma.rn.bf16x2":
                 (a0, a1), (b0, b1), (c0, c1) = (unpair(x) for x in v)
                 out = int(pair(torch.tensor(a0 * b0 + c0), torch.tensor(a1 * b1 + c1)))
+            elif op == "prmt.b32":  # default mode: byte i of the result is byte (selector nibble i) of {v1, v0}
+                both = (v[0] & 0xFFFFFFFF) | ((v[1] & 0xFFFFFFFF) << 32)
+                out = sum(((both >> (8 * ((v[2] >> (4 * i)) & 0x7))) & 0xFF) << (8 * i) for i in range(4))
             elif op == "mul.rn.bf16x2":  # the exact product, rounded once to bf16
                 (a0, a1), (b0, b1) = (unpair(x) for x in v)
                 out = int(pair(torch.tensor(a0 * b0), torch.tensor(a1 * b1)))  # (exact in fp32 first)

@@ -8,13 +8,14 @@ reference at full size (``benchmarks/gemv_check.py --formats w4 --kinds dense de
 kernels runs 160-163 and 185-186)."""
 from __future__ import annotations
 
+import types
 from dataclasses import replace
 
 import pytest
 import torch
 
 from tests.gemv_kernels import Picked, compile_gemv_kernel, loop_around, record_offers
-from tests.ptx_emulator import emulate, pair
+from tests.ptx_emulator import bf16_bits, emulate, pair
 from zspeed.kernels import KernelPolicy, _dense_mma, _word
 
 _kernels = pytest.importorskip("zspeed.kernels._dense_mma_kernels", reason="this triton has no Gluon")
@@ -199,20 +200,56 @@ def test_folded_rows_are_offered_at_1_to_4_rows_and_refuse_bad_arguments(offered
         run(x, words, s, None, n=64, group=128, stripes_per_slice=1, row_blocks=1, warps=4, workspace=None)
 
 
-@pytest.mark.parametrize("q,wk,depth,warps,zeros,group,even,partial,late", [
-    (4, 1, 1, 4, True, 128, True, True, 0), (8, 1, 0, 4, False, 256, False, True, 0),
-    (4, 1, 0, 4, True, 128, False, True, 0), (4, 8, 1, 8, True, 128, True, False, 0),
-    (4, 4, 1, 8, False, 256, False, True, 0), (4, 16, 1, 16, True, 128, True, False, 1),
-    (4, 4, 1, 4, True, 128, False, True, 2), (2, 16, 1, 16, False, 128, True, False, 2)])
+
+def test_a_word_of_x_gives_each_parity_its_b_registers():
+    """[Note: x a word at a time]: ``X_HALVES_ASM`` with the selector of parity ``p`` turns int32 ``j`` and ``j + 2`` of
+    a word of ``x`` (each a pair of bf16) into what the 2-byte gathers build: ``x[2j + p]`` low, ``x[2j + 4 + p]``
+    high (PTX emulator)."""
+    from zspeed.kernels._dense_mma_kernels import X_HALVES_ASM, X_HIGH_HALVES, X_LOW_HALVES
+
+    bits = [int(b) for b in bf16_bits(torch.randn(8, generator=torch.Generator().manual_seed(3)))]
+    words = [bits[2 * j] | (bits[2 * j + 1] << 16) for j in range(4)]
+    for p, sel in enumerate((X_LOW_HALVES.value, X_HIGH_HALVES.value)):
+        for j in (0, 1):
+            got = emulate(X_HALVES_ASM.value, [[0, words[j], words[j + 2], sel]] * 32)
+            assert all(lane[0] == bits[2 * j + p] | (bits[2 * j + 4 + p] << 16) for lane in got), (p, j)
+
+
+def test_folded_rows_read_x_a_word_at_a_time_at_one_aligned_row(monkeypatch):
+    """[Note: x a word at a time]: the launcher asks for 16-byte reads of ``x`` at one row that starts at a multiple
+    of 16 bytes; 2-4 rows (not timed that way) and a row starting elsewhere keep the 2-byte gathers."""
+    asked = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: asked.append(kwargs["XVEC"])
+
+    stub = types.SimpleNamespace(dense_mma_w4_fold_kernel=Kernel(), w4_dense_fold_asm=lambda: ("", ""))
+    monkeypatch.setattr(_dense_mma, "_kernels", lambda: stub)
+    words, s = torch.zeros(64, 32, dtype=torch.int32), torch.ones(64, 2, dtype=torch.bfloat16)
+    rows = torch.zeros(2, 264, dtype=torch.bfloat16)
+    assert rows.data_ptr() % 16 == 0
+    for x in (rows[:1, :256], rows[:, :256], rows[:1, 8:], rows[:1, 1:257]):
+        _dense_mma.run_dense_mma_w4_fold(x, words, s, None, n=64, group=128, stripes_per_slice=2, row_blocks=1,
+                                         warps=4, workspace=None)
+    assert asked == [True, False, True, False]
+
+@pytest.mark.parametrize("q,wk,depth,warps,zeros,group,even,partial,late,xvec", [
+    (4, 1, 1, 4, True, 128, True, True, 0, True), (8, 1, 0, 4, False, 256, False, True, 0, True),
+    (4, 1, 0, 4, True, 128, False, True, 0, True), (4, 8, 1, 8, True, 128, True, False, 0, True),
+    (4, 4, 1, 8, False, 256, False, True, 0, True), (4, 16, 1, 16, True, 128, True, False, 1, True),
+    (4, 4, 1, 4, True, 128, False, True, 2, True), (2, 16, 1, 16, False, 128, True, False, 2, True),
+    (4, 1, 1, 4, True, 128, True, True, 0, False), (4, 16, 1, 16, True, 128, True, False, 1, False)])
 def test_folded_rows_compile_for_hopper_to_four_mmas_a_stripe(tmp_path, q, wk, depth, warps, zeros, group, even,
-                                                              partial, late):
+                                                              partial, late, xvec):
     """[Note: INT4 GEMV with folded rows]: 4 MMAs a stripe and block (one weight row of 8 a lane, 32 columns an MMA),
     a bf16 subtraction a code pair, one 16-byte load a stripe of the lane's row for each block loaded; the unused
     sums never added; nothing spilled. A program that covers all of ``K`` (with warps along ``K``, [Note: fold warps
     along K]) has no fix-up: no atomics; with the warps' sums added after the last block (kept in shared memory or in
-    registers), fewer barriers in the loop."""
+    registers), fewer barriers in the loop. ``x`` with ``XVEC`` ([Note: x a word at a time]): one 16-byte load a word
+    of each stripe, no 2-byte gathers (those left are the scales'); without, four gathers a word."""
     const = dict(Q=q, WK=wk, DEPTH=depth, num_warps=warps, HAS_ZEROS=zeros, GROUP=group, EVEN_K=even,
-                 PARTIAL=partial, FIX_K=4, ROW_BLOCKS=4, LATE=late)
+                 PARTIAL=partial, FIX_K=4, ROW_BLOCKS=4, LATE=late, XVEC=xvec)
     got = compile_gemv_kernel(tmp_path, "dense_mma_w4_fold_kernel", const)
     ops = [op for op, _ in got["ops"]]
     mmas = ops.count("HMMA.16816.F32.BF16")  # a block's stripes, once or twice (ptxas may peel the last iteration),
@@ -220,7 +257,8 @@ def test_folded_rows_compile_for_hopper_to_four_mmas_a_stripe(tmp_path, q, wk, d
     assert mmas in (4 * q, 8 * q, 4 * q * const["ROW_BLOCKS"])
     assert sum(op.startswith(("HADD2.BF16", "HFMA2.BF16")) for op in ops) == 4 * mmas
     whole = mmas == 4 * q * const["ROW_BLOCKS"] != 8 * q  # unrolled whole: each block's loads once
-    assert ops.count("LDG.E.128") == q * (const["ROW_BLOCKS"] if whole else depth + 1)
+    assert ops.count("LDG.E.128") == q * (const["ROW_BLOCKS"] if whole else depth + 1) + (4 * q if xvec else 0)
+    assert ops.count("LDG.E.U16") <= 2 * q if xvec else ops.count("LDG.E.U16") >= 16 * q
     assert not any(op == "FADD" and "-RZ" in rest for op, rest in got["ops"])
     assert got["stack"] == 0 and got["local"] == 0 and got["regs"] <= 255
     assert not any(op.startswith(("LDL", "STL")) for op in ops)
