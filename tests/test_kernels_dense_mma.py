@@ -200,7 +200,6 @@ def test_folded_rows_are_offered_at_1_to_4_rows_and_refuse_bad_arguments(offered
         run(x, words, s, None, n=64, group=128, stripes_per_slice=1, row_blocks=1, warps=4, workspace=None)
 
 
-
 def test_a_word_of_x_gives_each_parity_its_b_registers():
     """[Note: x a word at a time]: ``X_HALVES_ASM`` with the selector of parity ``p`` turns int32 ``j`` and ``j + 2`` of
     a word of ``x`` (each a pair of bf16) into what the 2-byte gathers build: ``x[2j + p]`` low, ``x[2j + 4 + p]``
@@ -233,6 +232,7 @@ def test_folded_rows_read_x_a_word_at_a_time_at_one_aligned_row(monkeypatch):
         _dense_mma.run_dense_mma_w4_fold(x, words, s, None, n=64, group=128, stripes_per_slice=2, row_blocks=1,
                                          warps=4, workspace=None)
     assert asked == [True, False, True, False]
+
 
 @pytest.mark.parametrize("q,wk,depth,warps,zeros,group,even,partial,late,xvec", [
     (4, 1, 1, 4, True, 128, True, True, 0, True), (8, 1, 0, 4, False, 256, False, True, 0, True),
