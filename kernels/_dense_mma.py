@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from ._runtime import cdiv, interpreting
+from ._runtime import cdiv, compiled_gpu, optional_kernels
 
 STRIPE_K = 128  # columns of a stripe: 8 MMAs of 16 columns, one 16-byte load a lane and row
 MAX_M = 16  # rows of x: two blocks of 8, each one MMA's N side
@@ -21,18 +21,12 @@ MAX_M = 16  # rows of x: two blocks of 8, each one MMA's N side
 @functools.cache
 def _kernels():
     """The kernel module, or ``None`` where this Triton has no Gluon to build it with."""
-    try:
-        from . import _dense_mma_kernels
-    except ImportError:
-        return None
-    return _dense_mma_kernels
+    return optional_kernels("_dense_mma_kernels")
 
 
 def dense_mma_possible(device: torch.device) -> bool:
     """Compiled (not interpreted) on an sm_80+ GPU, with a Triton that has Gluon."""
-    if interpreting() or device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 0) and _kernels() is not None
+    return compiled_gpu(device, capability=(8, 0)) and _kernels() is not None
 
 
 def dense_mma_w4_fits(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, *,

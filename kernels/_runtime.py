@@ -21,6 +21,26 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def optional_kernels(name: str):
+    """The kernel module ``zspeed.kernels.<name>``, or ``None`` where this Triton cannot build it: the Gluon kernel
+    modules import the language pieces they use (Gluon, Hopper's ``wgmma``) when they are imported."""
+    try:
+        return importlib.import_module(f".{name}", __package__)
+    except ImportError:
+        return None
+
+
+def compiled_gpu(device, *, capability: tuple[int, int], exact: bool = False) -> bool:
+    """Whether kernels run compiled (not interpreted) on ``device``, a CUDA GPU of compute capability ``capability``
+    or later (``exact``: that one only)."""
+    import torch
+
+    if interpreting() or device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    have = torch.cuda.get_device_capability(device)
+    return have == capability if exact else have >= capability
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from ._runtime import cdiv, interpreting
+from ._runtime import cdiv, compiled_gpu, optional_kernels
 
 TILE_K = 32  # columns per mma.sp.m16n8k32
 MAX_M = 8  # rows of x: the MMA's N side
@@ -22,18 +22,12 @@ MAX_M = 8  # rows of x: the MMA's N side
 @functools.cache
 def _kernels():
     """The kernel module, or ``None`` where this Triton has no Gluon to build it with."""
-    try:
-        from . import _sparse_mma_kernels
-    except ImportError:
-        return None
-    return _sparse_mma_kernels
+    return optional_kernels("_sparse_mma_kernels")
 
 
 def sparse_mma_possible(device: torch.device) -> bool:
     """Compiled (not interpreted) on an sm_80+ GPU, with a Triton that has Gluon."""
-    if interpreting() or device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 0) and _kernels() is not None
+    return compiled_gpu(device, capability=(8, 0)) and _kernels() is not None
 
 
 def sparse_mma_fits(x: torch.Tensor, words: torch.Tensor, meta: torch.Tensor | None) -> bool:
@@ -271,11 +265,7 @@ MAX_GEMM_GROUPS = 8  # groups of 8 rows of x per program of the 2:4 GEMM ([Note:
 @functools.cache
 def _gemm_kernels():
     """The 2:4 GEMM kernel module, or ``None`` where this Triton has no Gluon."""
-    try:
-        from . import _sparse_gemm_kernels
-    except ImportError:
-        return None
-    return _sparse_gemm_kernels
+    return optional_kernels("_sparse_gemm_kernels")
 
 
 def sparse_gemm_fits(x: torch.Tensor, words: torch.Tensor, meta: torch.Tensor | None, *, w4: bool = False,

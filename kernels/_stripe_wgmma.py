@@ -12,7 +12,7 @@ import functools
 import torch
 
 from ._dense_mma import STRIPE_K, _setup
-from ._runtime import interpreting
+from ._runtime import compiled_gpu, optional_kernels
 
 MIN_M, MAX_M = 9, 16  # rows of x it is offered at; the wgmma's N is 16
 CHUNK_STRIPES = (1, 2)  # stripes of a chunk (the asm's registers: 2 fit 128 at 4 warps, 4 do not)
@@ -22,18 +22,12 @@ MAX_X_BYTES = 160 * 1024  # shared memory for a program's slice of x
 @functools.cache
 def _kernels():
     """The kernel module, or ``None`` where this Triton has no Gluon (or no Hopper ``wgmma``) to build it with."""
-    try:
-        from . import _stripe_wgmma_kernels
-    except ImportError:
-        return None
-    return _stripe_wgmma_kernels
+    return optional_kernels("_stripe_wgmma_kernels")
 
 
 def stripe_wgmma_possible(device: torch.device) -> bool:
     """Compiled (not interpreted) on an sm_90 GPU, with a Triton that has Gluon."""
-    if interpreting() or device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability(device) == (9, 0) and _kernels() is not None
+    return compiled_gpu(device, capability=(9, 0), exact=True) and _kernels() is not None
 
 
 def stripe_wgmma_fits(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, *,

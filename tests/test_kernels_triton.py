@@ -549,3 +549,25 @@ def _run_in_subprocess():
 
 if not IN_PROCESS:
     test_kernels_in_subprocess = _run_in_subprocess
+
+
+def test_gluon_kernel_modules_are_optional_and_run_compiled_on_a_gpu_only(monkeypatch):
+    """``_runtime.optional_kernels``: a kernel module this Triton cannot import is ``None`` (its launchers then
+    decline), one it can is the module. ``_runtime.compiled_gpu``: compiled kernels run on a CUDA GPU of the capability
+    asked for (or exactly it), never on the CPU or under the interpreter."""
+    import importlib
+
+    from zspeed.kernels import _runtime
+
+    assert _runtime.optional_kernels("_no_such_kernels") is None
+    assert _runtime.optional_kernels("_ref") is importlib.import_module("zspeed.kernels._ref")
+    assert not _runtime.compiled_gpu(torch.device("cpu"), capability=(8, 0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(_runtime, "interpreting", lambda: False)
+    gpu = torch.device("cuda", 0)
+    assert _runtime.compiled_gpu(gpu, capability=(8, 0)) and _runtime.compiled_gpu(gpu, capability=(9, 0), exact=True)
+    assert not _runtime.compiled_gpu(gpu, capability=(8, 0), exact=True)
+    assert not _runtime.compiled_gpu(gpu, capability=(10, 0))
+    monkeypatch.setattr(_runtime, "interpreting", lambda: True)
+    assert not _runtime.compiled_gpu(gpu, capability=(8, 0))
