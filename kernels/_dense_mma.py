@@ -95,8 +95,15 @@ def run_dense_mma_w4(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: t
         x.stride(0), words.stride(0), s.stride(0), zz.stride(0), out.stride(0),
         GROUP=group, HAS_ZEROS=z is not None, Q=q // k_warps, WK=k_warps, NT=nt, ROW_BLOCKS=rb, DEPTH=depth,
         EVEN_K=stripes % q == 0,
-        PARTIAL=split > 1, FIX_K=max(1, min(16, 4096 // run)), ASM=asm, ASM_IO=io, XS=x_shared, num_warps=warps)
+        PARTIAL=split > 1, FIX_K=max(1, min(16, 4096 // run)), ASM=asm, ASM_IO=io, XS=x_shared,
+        XVEC=x_words_aligned(x), num_warps=warps)
     return out
+
+
+def x_words_aligned(x: torch.Tensor) -> bool:
+    """Whether every row of ``x`` starts at a multiple of 16 bytes, as the 16-byte reads of ``x`` a word at a time
+    need ([Note: x a word at a time] in ``_dense_mma_kernels``); otherwise the kernels gather it."""
+    return x.data_ptr() % 16 == 0 and (x.shape[0] == 1 or x.stride(0) % 8 == 0)
 
 
 FOLD_M = 4  # rows of x with folded rows: two of the MMA's 8 columns a row ([Note: INT4 GEMV with folded rows])
@@ -138,7 +145,5 @@ def run_dense_mma_w4_fold(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor,
         x.stride(0), words.stride(0), s.stride(0), zz.stride(0), out.stride(0),
         GROUP=group, HAS_ZEROS=z is not None, Q=q // k_warps, WK=k_warps, ROW_BLOCKS=rb, DEPTH=depth,
         EVEN_K=stripes % q == 0, PARTIAL=split > 1, FIX_K=max(1, min(16, 4096 // run)),
-        LATE=late, ASM=asm, ASM_IO=io, XVEC=m == 1 and x.data_ptr() % 16 == 0, num_warps=warps)
-    # (x a word at a time, [Note: x a word at a time] in _dense_mma_kernels: timed at one row only, and its 16-byte
-    # loads need x's start at a multiple of 16 bytes)
+        LATE=late, ASM=asm, ASM_IO=io, XVEC=x_words_aligned(x), num_warps=warps)
     return out

@@ -139,8 +139,17 @@ lane reads the word's 16 bytes in one load (4 int32, each a pair of values) and 
 one ``prmt`` a register (``X_HALVES_ASM``). Measured at one row, each config checked on NaN-filled memory, the tuner's
 picks before / after in the same call (kernels runs 256-257, us): H200 8192x8192 16.8 / 16.1-16.2, 4096x6144 9.1 /
 8.8-8.9, 4096x4096 6.6 / 6.0-6.2, 14336x4096 16.0 / 15.3-15.4, 4096x28672 26.4 / 25.8; H100 19.5 / 18.9-19.0, 9.1 /
-8.8-8.9, 7.1 / 6.8, 18.3 / 17.7, 30.8 / 30.2-30.3. Only one row was timed, so the launcher sets ``XVEC`` at one row,
-where ``x`` starts at a multiple of 16 bytes (the loads' alignment); 2-4 rows keep the gathers.
+8.8-8.9, 7.1 / 6.8, 18.3 / 17.7, 30.8 / 30.2-30.3. At 2-4 rows (kernels run 259, H200, tuned both ways in one call,
+``XVEC`` / gathers twice / once, us): 4 rows 18.5 / 20.6 on 8192x8192, 9.0-9.2 / 10.5 on 4096x6144, 5.9-6.7 / 7.9 on
+4096x4096, 17.9 / 19.9 on 14336x4096, 26.5-26.7 / 29.8 on 4096x28672; 2 rows 17.0 / 17.6, 8.7-8.9 / 9.3, 6.4-7.0 /
+6.9, 16.3 / 16.7, 26.9-27.2 / 27.6.
+``dense_mma_w4_kernel`` (5-16 rows) read a word's 8 values of a row as two 8-byte loads, one for each half of its
+4 ``B`` registers (slot ``j``: ``x[c + j]``, ``x[c + j + 4]``); with ``XVEC`` it reads the 16 bytes once and builds
+slot ``j`` with one ``prmt`` of int32 ``j // 2`` and ``j // 2 + 2`` (``_x_word_slots``). Kernels run 260 (H200,
+the same way, us): 8 rows 21.8 / 23.7 on 8192x8192, 31.1 / 34.0 on 4096x28672, 21.6 / 24.3 on 14336x4096; 16 rows
+30.2 / 32.5, 46.9 / 48.6, 33.3 / 36.7 (still behind the ``wdot`` path's kernels at 16 rows, so the policy keeps
+9-16 rows there). So the launchers set ``XVEC`` at every row count where each row of ``x`` starts at a multiple of
+16 bytes (``_dense_mma.x_words_aligned``: the loads' alignment); other rows keep the gathers.
 """
 from __future__ import annotations
 
@@ -158,6 +167,9 @@ _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 X_HALVES_ASM = gl.constexpr("prmt.b32 $0, $1, $2, $3;")
 X_LOW_HALVES = gl.constexpr(0x5410)  # (the selectors of parity 0 and 1)
 X_HIGH_HALVES = gl.constexpr(0x7632)
+# (the same with the selector a constant: slot j of a word in ``dense_mma_w4_kernel``, parity j % 2)
+X_LOW_ASM = gl.constexpr(f"prmt.b32 $0, $1, $2, {X_LOW_HALVES.value:#x};")
+X_HIGH_ASM = gl.constexpr(f"prmt.b32 $0, $1, $2, {X_HIGH_HALVES.value:#x};")
 
 
 @functools.cache
@@ -215,7 +227,7 @@ def dense_mma_w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_ptr
                         HAS_ZEROS: gl.constexpr, Q: gl.constexpr, WK: gl.constexpr, NT: gl.constexpr,
                         ROW_BLOCKS: gl.constexpr, DEPTH: gl.constexpr, EVEN_K: gl.constexpr, PARTIAL: gl.constexpr,
                         FIX_K: gl.constexpr, XS: gl.constexpr, ASM: gl.constexpr, ASM_IO: gl.constexpr,
-                        num_warps: gl.constexpr):
+                        XVEC: gl.constexpr, num_warps: gl.constexpr):
     """INT4 ``out[M, N] = x @ dequant(words)^T`` for ``M <= 8 * NT`` ([Note: INT4 GEMV on tensor cores]).
 
     ``x_ptr``: ``x`` (M, K) bf16 read as int16; ``w_ptr``: the words (N, K / 8) int32, column ``8c + i`` in nibble
@@ -225,7 +237,8 @@ def dense_mma_w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_ptr
     rows ([Note: warps along K]), and a run of ``ROW_BLOCKS`` blocks of ``16 * num_warps / WK`` weight rows; ``DEPTH``
     1 loads the next block while this one multiplies (0: each where it is used); ``EVEN_K``: ``WK * Q`` divides
     ``STRIPES``; ``NT`` (1 or 2) blocks of 8 rows of ``x`` go through each weight fragment; ``XS``: ``x`` in shared
-    memory, read for each block ([Note: x in shared memory]); ``ASM`` / ``ASM_IO``: ``w4_dense_asm(NT)``."""
+    memory, read for each block ([Note: x in shared memory]); ``ASM`` / ``ASM_IO``: ``w4_dense_asm(NT)``; ``XVEC``:
+    each word of ``x`` in one 16-byte load ([Note: x a word at a time]; rows starting at multiples of 16 bytes)."""
     WR: gl.constexpr = num_warps // WK  # warps along the rows
     QW: gl.constexpr = Q * WK  # stripes a program
     L4: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, Q, 4], threads_per_warp=[1, 32, 1, 1],
@@ -243,17 +256,28 @@ def dense_mma_w4_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_ptr
     q = pid_k * QW + _along4(QW, 2, L4)
     j = _along4(4, 3, L4)
     xmask = (g < M) & (q < STRIPES)
-    xrow = x_ptr + g * stride_xm + q * 128 + 32 * t + j
-    b0 = _x_pairs(xrow, xmask)
-    b1 = _x_pairs(xrow + 8, xmask)
-    b2 = _x_pairs(xrow + 16, xmask)
-    b3 = _x_pairs(xrow + 24, xmask)
-    if NT == 2:  # rows 8-15 of x
-        xmask8 = (g + 8 < M) & (q < STRIPES)
-        b4 = _x_pairs(xrow + 8 * stride_xm, xmask8)
-        b5 = _x_pairs(xrow + 8 * stride_xm + 8, xmask8)
-        b6 = _x_pairs(xrow + 8 * stride_xm + 16, xmask8)
-        b7 = _x_pairs(xrow + 8 * stride_xm + 24, xmask8)
+    xmask8 = (g + 8 < M) & (q < STRIPES)  # (rows 8-15 of x, NT 2)
+    if XVEC:  # each word's 8 values of x in one 16-byte load ([Note: x a word at a time])
+        b0 = _x_word_slots(x_ptr, g, 4 * t, q, xmask, stride_xm, L4)
+        b1 = _x_word_slots(x_ptr, g, 4 * t + 1, q, xmask, stride_xm, L4)
+        b2 = _x_word_slots(x_ptr, g, 4 * t + 2, q, xmask, stride_xm, L4)
+        b3 = _x_word_slots(x_ptr, g, 4 * t + 3, q, xmask, stride_xm, L4)
+        if NT == 2:
+            b4 = _x_word_slots(x_ptr, g + 8, 4 * t, q, xmask8, stride_xm, L4)
+            b5 = _x_word_slots(x_ptr, g + 8, 4 * t + 1, q, xmask8, stride_xm, L4)
+            b6 = _x_word_slots(x_ptr, g + 8, 4 * t + 2, q, xmask8, stride_xm, L4)
+            b7 = _x_word_slots(x_ptr, g + 8, 4 * t + 3, q, xmask8, stride_xm, L4)
+    else:
+        xrow = x_ptr + g * stride_xm + q * 128 + 32 * t + j
+        b0 = _x_pairs(xrow, xmask)
+        b1 = _x_pairs(xrow + 8, xmask)
+        b2 = _x_pairs(xrow + 16, xmask)
+        b3 = _x_pairs(xrow + 24, xmask)
+        if NT == 2:
+            b4 = _x_pairs(xrow + 8 * stride_xm, xmask8)
+            b5 = _x_pairs(xrow + 8 * stride_xm + 8, xmask8)
+            b6 = _x_pairs(xrow + 8 * stride_xm + 16, xmask8)
+            b7 = _x_pairs(xrow + 8 * stride_xm + 24, xmask8)
 
     # words: lane 4g + t, words 4t + j of each stripe of rows g and g + 8 (one 16-byte load a stripe and row);
     # stripes past K read the last one (x is zero there); scales and zero points one a stripe and row
@@ -372,6 +396,23 @@ def _x_word_pairs(x_ptr, g, t, u, q, M, STRIPES, stride_xm, Q: gl.constexpr, WR:
     b0 = gl.inline_asm_elementwise(X_HALVES_ASM, "=r,r,r,r", [i0, i2, sel], dtype=gl.int32, is_pure=True, pack=1)
     b1 = gl.inline_asm_elementwise(X_HALVES_ASM, "=r,r,r,r", [i1, i3, sel], dtype=gl.int32, is_pure=True, pack=1)
     return gl.convert_layout(b0, L4), gl.convert_layout(b1, L4)
+
+
+@gluon.jit
+def _x_word_slots(x_ptr, row, word, q, xmask, stride_xm, L4: gl.constexpr):
+    """The four ``B`` registers of word ``word`` of each stripe ``q`` of row ``row`` of ``x`` (columns ``c = 128 q + 8
+    word`` on; slot ``j``: ``x[c + j]`` low, ``x[c + j + 4]`` high, as :func:`_x_pairs` at ``c + j``), from one
+    16-byte load ([Note: x a word at a time]): int32 ``i`` of ``x[c .. c + 7]`` holds ``x[c + 2i]`` and ``x[c + 2i + 1]``, so slot ``j`` takes the halves
+    ``j % 2`` of int32 ``j // 2`` and ``j // 2 + 2``. ``x_ptr`` points at int16 (bf16 bits)."""
+    x32 = x_ptr.to(gl.pointer_type(gl.int32), bitcast=True)
+    i = _along4(4, 3, L4)  # (the load's int32 along the slots' axis: 4 contiguous a thread)
+    v = gl.load(x32 + row * (stride_xm // 2) + q * 64 + 4 * word + i, mask=xmask, other=0)
+    i0, i1, i2, i3 = _split4(v)
+    s0 = gl.inline_asm_elementwise(X_LOW_ASM, "=r,r,r", [i0, i2], dtype=gl.int32, is_pure=True, pack=1)
+    s1 = gl.inline_asm_elementwise(X_HIGH_ASM, "=r,r,r", [i0, i2], dtype=gl.int32, is_pure=True, pack=1)
+    s2 = gl.inline_asm_elementwise(X_LOW_ASM, "=r,r,r", [i1, i3], dtype=gl.int32, is_pure=True, pack=1)
+    s3 = gl.inline_asm_elementwise(X_HIGH_ASM, "=r,r,r", [i1, i3], dtype=gl.int32, is_pure=True, pack=1)
+    return gl.convert_layout(gl.reshape(gl.join(gl.join(s0, s2), gl.join(s1, s3)), v.shape), L4)
 
 
 @gluon.jit

@@ -15,7 +15,14 @@ finished (scale and zero point applied) before the next block. The layouts are
 Triton's: 3-D ``(BLOCK_N, G, WG)`` tiles keep each group's words in a few
 neighbouring threads, so the group sums need two shuffle levels. (A 4-D version
 with the fields as a last axis made Triton spread the fields over threads: three
-shuffles per code.)
+shuffles per code.) The slice of ``x`` is read a word at a time: the 4 or 8
+columns under a word in one 8- or 16-byte load, split into the planes in
+registers (``_x_word_values``). Until session 35 each plane was a 2-byte gather
+(20 ``LDG.E.U16`` a thread in the INT8 config of 2048 words and 16 warps, 4
+``LDG.E.64`` now; sm_90 SASS). On an H200 (kernels run 262, both ways in one call,
+the tuner's picks, us) INT8 at one row: 8192x8192 25.0 / 25.3, 4096x6144
+12.9-13.0 / 13.2, 14336x4096 24.6-24.7 / 25.0, the large shapes within 1 %; at
+four rows 56.6-56.9 / 58.0, 24.1-24.2 / 25.5, 52.0 / 53.5.
 
 Several slices of ``K`` make several partial sums per output: each program
 stores its partials (fp32) to a workspace, then counts itself done on a per-run
@@ -58,15 +65,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def _x_plane(x_row, word, live, CPW: tl.constexpr, J: tl.constexpr, SHIFT: tl.constexpr):
-    """Columns ``CPW * word + J`` of ``x`` times ``2^(93 - SHIFT)`` (exact): the field ``J`` of each word, at bit
-    ``SHIFT``, reads as ``q * 2^(SHIFT - 149)``, so products come out as ``q * x * 2^-56`` ([Note: subnormal
-    codes])."""
-    x = tl.load(x_row + word * CPW + J, mask=live, other=0.0).to(tl.float32)
-    return x * (2.0 ** (93 - SHIFT))
 
 
 @triton.jit
@@ -120,17 +118,37 @@ def _load_block(w_ptr, s_ptr, z_ptr, rows, N, word, live, pid_k, KW, stride_wn, 
 
 
 @triton.jit
+def _x_word_values(x_row, word, live, CPW: tl.constexpr):
+    """The ``CPW`` (4 or 8) columns of ``x`` under each word, as fp32 ``(1, G, WG, CPW)``, one 8- or 16-byte load a
+    word ([Note: x a word at a time] in ``_dense_mma_kernels``; a 2-byte gather a column before). The callers split
+    them into planes, column ``CPW * word + j`` times ``2^(93 - shift)`` (exact) for the field ``j`` at bit
+    ``shift`` of each word, which reads as ``q * 2^(shift - 149)``: so products come out as ``q * x * 2^-56``
+    ([Note: subnormal codes])."""
+    col = word[:, :, :, None] * CPW + tl.arange(0, CPW)[None, None, None, :]
+    return tl.load(x_row + col, mask=live[:, :, :, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _x_planes4(x_row, word, live):
     """INT4: the slice's 8 planes of ``x`` (field ``j`` of every word), scaled for codes masked in place, and the
     per-group sums of ``x`` ``(1, G)`` for the zero points."""
-    x0 = _x_plane(x_row, word, live, 8, 0, 0)
-    x1 = _x_plane(x_row, word, live, 8, 1, 4)
-    x2 = _x_plane(x_row, word, live, 8, 2, 8)
-    x3 = _x_plane(x_row, word, live, 8, 3, 12)
-    x4 = _x_plane(x_row, word, live, 8, 4, 16)  # field 4 masked in the word itself (bits 16-19), the rest
-    x5 = _x_plane(x_row, word, live, 8, 5, 4)  # in its upper half
-    x6 = _x_plane(x_row, word, live, 8, 6, 8)
-    x7 = _x_plane(x_row, word, live, 8, 7, 12)
+    v = _x_word_values(x_row, word, live, 8)
+    even, odd = tl.split(tl.reshape(v, (v.shape[0], v.shape[1], v.shape[2], 2, 2, 2)))  # (the last axis: bit 0)
+    e0, e1 = tl.split(even)  # columns 0, 4 / 2, 6
+    o0, o1 = tl.split(odd)  # 1, 5 / 3, 7
+    x0, x4 = tl.split(e0)
+    x2, x6 = tl.split(e1)
+    x1, x5 = tl.split(o0)
+    x3, x7 = tl.split(o1)
+    # field 4 is masked in the word itself (bits 16-19), fields 5-7 in its upper half
+    x0 = x0 * 2.0 ** 93
+    x1 = x1 * 2.0 ** 89
+    x2 = x2 * 2.0 ** 85
+    x3 = x3 * 2.0 ** 81
+    x4 = x4 * 2.0 ** 77
+    x5 = x5 * 2.0 ** 89
+    x6 = x6 * 2.0 ** 85
+    x7 = x7 * 2.0 ** 81
     # sum((q - z) x) = sum(q x) - z sum(x), per group (symmetric: z = 8)
     x_sum = tl.sum(x0 + 65536.0 * x4 + 16.0 * (x1 + x5) + 256.0 * (x2 + x6) + 4096.0 * (x3 + x7),
                    axis=2) * 2.0 ** -93
@@ -140,10 +158,14 @@ def _x_planes4(x_row, word, live):
 @triton.jit
 def _x_planes8(x_row, word, live):
     """INT8: the slice's 4 planes of ``x`` and its sum ``(1,)`` (codes are read as ``q + 128``)."""
-    x0 = _x_plane(x_row, word, live, 4, 0, 0)
-    x1 = _x_plane(x_row, word, live, 4, 1, 8)
-    x2 = _x_plane(x_row, word, live, 4, 2, 0)
-    x3 = _x_plane(x_row, word, live, 4, 3, 8)
+    v = _x_word_values(x_row, word, live, 4)
+    even, odd = tl.split(tl.reshape(v, (v.shape[0], v.shape[1], v.shape[2], 2, 2)))  # (the last axis: bit 0)
+    x0, x2 = tl.split(even)
+    x1, x3 = tl.split(odd)
+    x0 = x0 * 2.0 ** 93  # fields at bits 0 and 8 of each half
+    x1 = x1 * 2.0 ** 85
+    x2 = x2 * 2.0 ** 93
+    x3 = x3 * 2.0 ** 85
     x_sum = tl.sum(tl.sum(x0 + x2 + 256.0 * (x1 + x3), axis=2), axis=1) * 2.0 ** -93  # (1,): q = u - 128
     return x0, x1, x2, x3, x_sum
 

@@ -61,6 +61,7 @@ if kernel_name == "sparse_mma_w4_fold_kernel":  # 2:4 + INT4, folded rows: a lan
     w_dtype = torch.int64
 if kernel_name == "dense_mma_w4_kernel":  # INT4 words, x gathered as int16, the stripe's asm
     const["ASM"], const["ASM_IO"] = _dense_mma_kernels.w4_dense_asm(const["NT"])
+    const.setdefault("XVEC", True)  # x a word at a time
     w_dtype, x_dtype = torch.int32, torch.int16  # (words: K / 8 a row, as 2:4 + INT4's codes)
 if kernel_name == "dense_mma_w4_fold_kernel":  # the same with folded rows
     const["ASM"], const["ASM_IO"] = _dense_mma_kernels.w4_dense_fold_asm()

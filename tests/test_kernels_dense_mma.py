@@ -203,8 +203,8 @@ def test_folded_rows_are_offered_at_1_to_4_rows_and_refuse_bad_arguments(offered
 def test_a_word_of_x_gives_each_parity_its_b_registers():
     """[Note: x a word at a time]: ``X_HALVES_ASM`` with the selector of parity ``p`` turns int32 ``j`` and ``j + 2`` of
     a word of ``x`` (each a pair of bf16) into what the 2-byte gathers build: ``x[2j + p]`` low, ``x[2j + 4 + p]``
-    high (PTX emulator)."""
-    from zspeed.kernels._dense_mma_kernels import X_HALVES_ASM, X_HIGH_HALVES, X_LOW_HALVES
+    high; ``X_LOW_ASM`` / ``X_HIGH_ASM`` the same with the selector in the instruction (PTX emulator)."""
+    from zspeed.kernels._dense_mma_kernels import X_HALVES_ASM, X_HIGH_ASM, X_HIGH_HALVES, X_LOW_ASM, X_LOW_HALVES
 
     bits = [int(b) for b in bf16_bits(torch.randn(8, generator=torch.Generator().manual_seed(3)))]
     words = [bits[2 * j] | (bits[2 * j + 1] << 16) for j in range(4)]
@@ -212,26 +212,36 @@ def test_a_word_of_x_gives_each_parity_its_b_registers():
         for j in (0, 1):
             got = emulate(X_HALVES_ASM.value, [[0, words[j], words[j + 2], sel]] * 32)
             assert all(lane[0] == bits[2 * j + p] | (bits[2 * j + 4 + p] << 16) for lane in got), (p, j)
+    # the constant selectors of dense_mma_w4_kernel's slots: slot j is x[j] low, x[j + 4] high
+    for j in range(4):
+        asm = (X_LOW_ASM, X_HIGH_ASM)[j % 2].value
+        got = emulate(asm, [[0, words[j // 2], words[j // 2 + 2]]] * 32)
+        assert all(lane[0] == bits[j] | (bits[j + 4] << 16) for lane in got), j
 
 
-def test_folded_rows_read_x_a_word_at_a_time_at_one_aligned_row(monkeypatch):
-    """[Note: x a word at a time]: the launcher asks for 16-byte reads of ``x`` at one row that starts at a multiple
-    of 16 bytes; 2-4 rows (not timed that way) and a row starting elsewhere keep the 2-byte gathers."""
+@pytest.mark.parametrize("fold", [True, False])
+def test_x_is_read_a_word_at_a_time_where_every_row_starts_at_16_bytes(monkeypatch, fold):
+    """[Note: x a word at a time]: both GEMV launchers ask for 16-byte reads of ``x`` where each of its rows starts at
+    a multiple of 16 bytes (one row: where it starts); rows a stride of 4 values apart, or a start 2 bytes on, keep
+    the gathers."""
     asked = []
 
     class Kernel:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: asked.append(kwargs["XVEC"])
 
-    stub = types.SimpleNamespace(dense_mma_w4_fold_kernel=Kernel(), w4_dense_fold_asm=lambda: ("", ""))
+    stub = types.SimpleNamespace(dense_mma_w4_fold_kernel=Kernel(), dense_mma_w4_kernel=Kernel(),
+                                 w4_dense_fold_asm=lambda: ("", ""), w4_dense_asm=lambda nt: ("", ""))
     monkeypatch.setattr(_dense_mma, "_kernels", lambda: stub)
+    run = _dense_mma.run_dense_mma_w4_fold if fold else _dense_mma.run_dense_mma_w4
     words, s = torch.zeros(64, 32, dtype=torch.int32), torch.ones(64, 2, dtype=torch.bfloat16)
-    rows = torch.zeros(2, 264, dtype=torch.bfloat16)
-    assert rows.data_ptr() % 16 == 0
-    for x in (rows[:1, :256], rows[:, :256], rows[:1, 8:], rows[:1, 1:257]):
-        _dense_mma.run_dense_mma_w4_fold(x, words, s, None, n=64, group=128, stripes_per_slice=2, row_blocks=1,
-                                         warps=4, workspace=None)
-    assert asked == [True, False, True, False]
+    rows = torch.zeros(4, 264, dtype=torch.bfloat16)
+    odd = torch.zeros(3, 260, dtype=torch.bfloat16)  # rows 520 bytes apart
+    assert rows.data_ptr() % 16 == 0 and odd.data_ptr() % 16 == 0
+    for x in (rows[:1, :256], rows[:, :256], rows[:1, 8:], rows[:3, 8:], rows[:1, 1:257], rows[:, 1:257],
+              odd[:1, :256], odd[:, :256]):
+        run(x, words, s, None, n=64, group=128, stripes_per_slice=2, row_blocks=1, warps=4, workspace=None)
+    assert asked == [True, True, True, True, False, False, True, False]
 
 
 @pytest.mark.parametrize("q,wk,depth,warps,zeros,group,even,partial,late,xvec", [
@@ -336,18 +346,23 @@ def test_bad_arguments_are_refused_before_launch():
         run(x, words, s, None, n=64, group=128, stripes_per_slice=1, row_blocks=1, warps=4, workspace=None)
 
 
-@pytest.mark.parametrize("q,wk,nt,depth,warps,zeros,group,even,xs", [(4, 1, 1, 1, 4, True, 128, True, False),
-                                                                     (2, 2, 2, 0, 4, False, 256, False, False),
-                                                                     (4, 1, 2, 1, 4, True, 128, True, True)])
+@pytest.mark.parametrize("q,wk,nt,depth,warps,zeros,group,even,xs,xvec", [
+    (4, 1, 1, 1, 4, True, 128, True, False, True), (2, 2, 2, 0, 4, False, 256, False, False, True),
+    (4, 1, 2, 1, 4, True, 128, True, True, True), (4, 1, 1, 1, 4, True, 128, True, False, False)])
 def test_compiles_for_hopper_to_eight_mmas_a_stripe_and_one_load_a_stripe_and_row(tmp_path, q, wk, nt, depth, warps,
-                                                                                  zeros, group, even, xs):
+                                                                                  zeros, group, even, xs, xvec):
+    """Each word of ``x`` a lane reads: one 16-byte load with ``XVEC`` ([Note: x a word at a time]), two 8-byte
+    loads without (per block of 8 rows of ``x``)."""
     const = dict(Q=q, WK=wk, NT=nt, DEPTH=depth, num_warps=warps, HAS_ZEROS=zeros, GROUP=group, EVEN_K=even,
-                 PARTIAL=True, FIX_K=4, ROW_BLOCKS=4, XS=xs)
+                 PARTIAL=True, FIX_K=4, ROW_BLOCKS=4, XS=xs, XVEC=xvec)
     got = compile_gemv_kernel(tmp_path, "dense_mma_w4_kernel", const)
     ops = [op for op, _ in got["ops"]]
     assert ops.count("HMMA.16816.F32.BF16") == 8 * q * nt  # one row block per loop iteration
     assert sum(op.startswith(("HADD2.BF16", "HFMA2.BF16")) for op in ops) == 32 * q  # code - zero, a pair each
-    assert ops.count("LDG.E.128") == 2 * q * (depth + 1)  # a lane's 16 bytes a stripe of rows g and g + 8
+    # a lane's 16 bytes a stripe of rows g and g + 8, and x's 4 words a stripe (per block of 8 rows of x)
+    assert ops.count("LDG.E.128") == 2 * q * (depth + 1) + (4 * q * nt if xvec else 0)
+    x_pairs = ops.count("LDG.E.64") - 2 * (depth + 1) * (q == 4)  # (the scales of 4 stripes: 8 bytes a block and row)
+    assert x_pairs == (0 if xvec else 8 * q * nt)
     if xs:  # a lane's B registers of a stripe and block of 8 rows of x: four 16-byte loads from shared memory, in
         # the loop; hoisted out of it, they would hold 128 registers across the loop again and break the bound below
         assert ops.count("LDS.128") == 4 * q * nt  # (one warp along K: no reduction through shared memory)
