@@ -17,9 +17,9 @@ neighbouring threads, so the group sums need two shuffle levels. (A 4-D version
 with the fields as a last axis made Triton spread the fields over threads: three
 shuffles per code.) The slice of ``x`` is read a word at a time: the 4 or 8
 columns under a word in one 8- or 16-byte load, split into the planes in
-registers (``_x_word_values``). Until session 35 each plane was a 2-byte gather
-(20 ``LDG.E.U16`` a thread in the INT8 config of 2048 words and 16 warps, 4
-``LDG.E.64`` now; sm_90 SASS). On an H200 (kernels run 262, both ways in one call,
+registers (``_x_word_values``). Each plane used to be a 2-byte gather (20
+``LDG.E.U16`` a thread in the INT8 config of 2048 words and 16 warps, where 4
+``LDG.E.64`` do now; sm_90 SASS). On an H200 (kernels run 262, both ways in one call,
 the tuner's picks, us) INT8 at one row: 8192x8192 25.0 / 25.3, 4096x6144
 12.9-13.0 / 13.2, 14336x4096 24.6-24.7 / 25.0, the large shapes within 1 %; at
 four rows 56.6-56.9 / 58.0, 24.1-24.2 / 25.5, 52.0 / 53.5.
