@@ -22,7 +22,9 @@ registers (``_x_word_values``). Each plane used to be a 2-byte gather (20
 ``LDG.E.64`` do now; sm_90 SASS). On an H200 (kernels run 262, both ways in one call,
 the tuner's picks, us) INT8 at one row: 8192x8192 25.0 / 25.3, 4096x6144
 12.9-13.0 / 13.2, 14336x4096 24.6-24.7 / 25.0, the large shapes within 1 %; at
-four rows 56.6-56.9 / 58.0, 24.1-24.2 / 25.5, 52.0 / 53.5.
+four rows 56.6-56.9 / 58.0, 24.1-24.2 / 25.5, 52.0 / 53.5. The first block's
+loads are issued before ``x`` is read (run 263: 8192x8192 24.6-24.8 against 25.0
+us, the other shapes within the runs' spread).
 
 Several slices of ``K`` make several partial sums per output: each program
 stores its partials (fp32) to a workspace, then counts itself done on a per-run
@@ -235,16 +237,18 @@ def stationary_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, out_
     INT8 (FMT 0): a slice is ``WG`` words (4 codes each, ``G`` = 1); one scale per output row. ``EVEN``: every
     slice is whole (``KW`` a multiple of ``G * WG``), so word loads need no per-column mask."""
     pid_m, pid_k, pid_r, word, live, x_row = _program_slice(x_ptr, stride_xm, KW, G, WG)
-    x0, x1, x2, x3, x4, x5, x6, x7, x_sum = _x_slice(x_row, word, live, FMT)
     n1 = tl.arange(0, BLOCK_N)
     row0 = pid_r * (BLOCK_N * ROW_BLOCKS)
     # [Note: register prefetch] in _word_kernels: block b + 1's words, scales and zero points are in flight
-    # while block b is computed (scales loaded on use cost one memory latency per block)
+    # while block b is computed (scales loaded on use cost one memory latency per block). The first block's go in
+    # flight before x is read: the slice of x waits on its loads and a barrier (its sum), and loads issued after
+    # that barrier would wait for it.
     w_next, s_next, z_next = _load_block(w_ptr, s_ptr, z_ptr, row0 + n1, N, word, live, pid_k, KW, stride_wn,
                                          stride_sn, FMT, HAS_ZEROS, G, WG, EVEN)
     if DEPTH == 2:  # two blocks in flight
         w_far, s_far, z_far = _load_block(w_ptr, s_ptr, z_ptr, tl.where(ROW_BLOCKS > 1, row0 + BLOCK_N + n1, N), N,
                                           word, live, pid_k, KW, stride_wn, stride_sn, FMT, HAS_ZEROS, G, WG, EVEN)
+    x0, x1, x2, x3, x4, x5, x6, x7, x_sum = _x_slice(x_row, word, live, FMT)
     for b in range(ROW_BLOCKS):
         w = w_next
         s = s_next

@@ -10,7 +10,7 @@ import pytest
 
 from tests.sm90_compile import SASS_OF_KERNEL, run_compile_script
 
-# argv: the constexprs and num_warps (JSON), the cubin's path. Prints the count of each global load opcode.
+# argv: the constexprs and num_warps (JSON), the cubin's path. Prints the global loads and barriers in SASS order.
 _COMPILE = r'''
 import json, os, re, subprocess, sys
 import torch, triton
@@ -36,7 +36,7 @@ attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in names
 kernel = triton.compile(ASTSource(fn, sig, opts, attrs), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": warps})
 ''' + SASS_OF_KERNEL + r'''
-print(json.dumps([op for _, op, _ in code if op.startswith("LDG")]))
+print(json.dumps([op for _, op, _ in code if op.startswith(("LDG", "BAR"))]))  # (in program order)
 '''
 
 
@@ -48,9 +48,20 @@ def test_x_is_read_a_word_at_a_time(tmp_path, fmt, g, wg, block_n, warps, x_byte
     scales'."""
     opts = dict(FMT=fmt, HAS_ZEROS=fmt == 1, G=g, WG=wg, BLOCK_N=block_n, ROW_BLOCKS=8, PARTIAL=False, EVEN=True,
                 FIX_K=4, DEPTH=1, num_warps=warps)
-    loads = Counter(run_compile_script(_COMPILE, [json.dumps(opts), str(tmp_path / "stationary.cubin")], tmp_path))
+    ops = run_compile_script(_COMPILE, [json.dumps(opts), str(tmp_path / "stationary.cubin")], tmp_path)
+    loads = Counter(ops)
     words_a_thread = g * wg // (32 * warps)
     wide = "LDG.E.64" if x_bytes == 8 else "LDG.E.128"
     assert loads[wide] >= words_a_thread  # x (+ for INT4 the weight words: 16 bytes each too)
     # 2-byte gathers would take one a column: 4 or 8 a word (the scales' few 2-byte loads stay under that)
     assert loads["LDG.E.U16"] < words_a_thread * (x_bytes // 2), loads
+
+
+@pytest.mark.parametrize("wg,block_n,warps", [(2048, 4, 16), (1024, 2, 4)])
+def test_first_block_is_in_flight_before_x_is_summed(tmp_path, wg, block_n, warps):
+    """INT8: the first block's words (16-byte loads; ``x``'s are 8 bytes) are loaded before the first barrier, which
+    the slice of ``x`` needs for its sum, so the two latencies overlap."""
+    opts = dict(FMT=0, HAS_ZEROS=False, G=1, WG=wg, BLOCK_N=block_n, ROW_BLOCKS=8, PARTIAL=False, EVEN=True, FIX_K=4,
+                DEPTH=1, num_warps=warps)
+    ops = run_compile_script(_COMPILE, [json.dumps(opts), str(tmp_path / "stationary.cubin")], tmp_path)
+    assert ops.index("LDG.E.128") < next(i for i, op in enumerate(ops) if op.startswith("BAR")), ops
