@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from ._runtime import cdiv, compiled_gpu, optional_kernels
+from ._runtime import cdiv, compiled_gpu, optional_kernels, x_words_aligned
 
 STRIPE_K = 128  # columns of a stripe: 8 MMAs of 16 columns, one 16-byte load a lane and row
 MAX_M = 16  # rows of x: two blocks of 8, each one MMA's N side
@@ -98,12 +98,6 @@ def run_dense_mma_w4(x: torch.Tensor, words: torch.Tensor, s: torch.Tensor, z: t
         PARTIAL=split > 1, FIX_K=max(1, min(16, 4096 // run)), ASM=asm, ASM_IO=io, XS=x_shared,
         XVEC=x_words_aligned(x), num_warps=warps)
     return out
-
-
-def x_words_aligned(x: torch.Tensor) -> bool:
-    """Whether every row of ``x`` starts at a multiple of 16 bytes, as the 16-byte reads of ``x`` a word at a time
-    need ([Note: x a word at a time] in ``_dense_mma_kernels``); otherwise the kernels gather it."""
-    return x.data_ptr() % 16 == 0 and (x.shape[0] == 1 or x.stride(0) % 8 == 0)
 
 
 FOLD_M = 4  # rows of x with folded rows: two of the MMA's 8 columns a row ([Note: INT4 GEMV with folded rows])

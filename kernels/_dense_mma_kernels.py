@@ -149,7 +149,7 @@ slot ``j`` with one ``prmt`` of int32 ``j // 2`` and ``j // 2 + 2`` (``_x_word_s
 the same way, us): 8 rows 21.8 / 23.7 on 8192x8192, 31.1 / 34.0 on 4096x28672, 21.6 / 24.3 on 14336x4096; 16 rows
 30.2 / 32.5, 46.9 / 48.6, 33.3 / 36.7 (still behind the ``wdot`` path's kernels at 16 rows, so the policy keeps
 9-16 rows there). So the launchers set ``XVEC`` at every row count where each row of ``x`` starts at a multiple of
-16 bytes (``_dense_mma.x_words_aligned``: the loads' alignment); other rows keep the gathers.
+16 bytes (``_runtime.x_words_aligned``: the loads' alignment); other rows keep the gathers.
 """
 from __future__ import annotations
 
@@ -159,7 +159,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from ._sparse_mma_kernels import (_along3, _along4, _block_sums, _cta_barrier, _fold_end, _fold_slots,
-                                  _late_sums_keeper, _store_sums, finish_run, group_params)
+                                  _late_sums_keeper, _split4, _store_sums, finish_run, group_params)
 
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
 # [Note: x a word at a time]: two int32 of x (a bf16 pair each) to the B register of a lane of parity p: the low halves
@@ -413,15 +413,6 @@ def _x_word_slots(x_ptr, row, word, q, xmask, stride_xm, L4: gl.constexpr):
     s2 = gl.inline_asm_elementwise(X_LOW_ASM, "=r,r,r", [i1, i3], dtype=gl.int32, is_pure=True, pack=1)
     s3 = gl.inline_asm_elementwise(X_HIGH_ASM, "=r,r,r", [i1, i3], dtype=gl.int32, is_pure=True, pack=1)
     return gl.convert_layout(gl.reshape(gl.join(gl.join(s0, s2), gl.join(s1, s3)), v.shape), L4)
-
-
-@gluon.jit
-def _split4(v):
-    """The four values of ``v``'s last axis (4 a thread), in order, each without it."""
-    even, odd = gl.split(gl.reshape(v, v.shape[:-1] + [2, 2]))  # (the last axis of the reshape is the index's bit 0)
-    v0, v2 = gl.split(even)
-    v1, v3 = gl.split(odd)
-    return v0, v1, v2, v3
 
 
 @functools.cache

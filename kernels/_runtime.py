@@ -41,6 +41,12 @@ def compiled_gpu(device, *, capability: tuple[int, int], exact: bool = False) ->
     return have == capability if exact else have >= capability
 
 
+def x_words_aligned(x) -> bool:
+    """Whether every row of ``x`` (a 2-D tensor) starts at a multiple of 16 bytes, as the GEMVs' 16-byte reads of
+    ``x`` a word at a time need ([Note: x a word at a time] in ``_dense_mma_kernels``); otherwise they gather it."""
+    return x.data_ptr() % 16 == 0 and (x.shape[0] == 1 or x.stride(0) * x.element_size() % 16 == 0)
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from ._runtime import cdiv, compiled_gpu, optional_kernels
+from ._runtime import cdiv, compiled_gpu, optional_kernels, x_words_aligned
 
 TILE_K = 32  # columns per mma.sp.m16n8k32
 MAX_M = 8  # rows of x: the MMA's N side
@@ -211,7 +211,7 @@ def run_sparse_mma_w4(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, 
         x.stride(0) // 2, lanes.stride(0), meta32.stride(0), s.stride(0), zz.stride(0), out.stride(0),
         GROUP=group, HAS_ZEROS=z is not None, KT=tiles_per_slice, STRIPE=stripe, ROW_BLOCKS=row_blocks,
         DEPTH=depth, EVEN_K=tiles % tiles_per_slice == 0, PARTIAL=split > 1, FIX_K=fix_k, ASM=asm, ASM_IO=io,
-        num_warps=warps)
+        XVEC=x_words_aligned(x), num_warps=warps)
     return out
 
 

@@ -65,6 +65,15 @@ On an H100 (benchmarks/RESULTS.md, kernels runs 152-156, bf16 in the same proces
 2.00 / 2.11 / 2.07x; four rows 2.39-2.59x, eight rows 2.04-2.33x. The first version (no block ahead, masked loads)
 gave 2.44 / 2.81 / 2.67x at one row.
 
+A lane's ``x`` in that order is every other int32 (a pair of values) of two runs of ``4 S`` int32 a stripe
+(``_stripe_b``): gathered 4 bytes a register, or with ``XVEC`` both runs loaded whole, 16 bytes a tile, the lane
+keeping its parity's int32 ([Note: x a word at a time] in ``_dense_mma_kernels``). Half the L2 sectors, but a
+``SEL`` a register more. Kernels run 265 (H200, tuned both ways in one call, us, 16-byte twice / 4-byte): 2:4 + INT4
+at 8 rows 22.9 / 23.7 on 8192x8192, 37.8 / 39.0 on 4096x28672, 25.2-25.3 / 26.6 on 14336x4096, at one row within 3 %
+(18.3 / 18.8, 31.7-31.8 / 31.7, 18.1-18.5 / 18.4); plain 2:4 in stripes (``sparse_mma_stripe_kernel``) lost at one
+row (31.5-31.9 / 30.8, 46.6-47.3 / 44.7, 29.8 / 27.6) and tied at 8. So 2:4 + INT4 reads ``x`` this way where its rows
+start at multiples of 16 bytes, and plain 2:4 keeps the 4-byte loads.
+
 [Note: 2:4 stripes] Tile by tile, plain 2:4 reads a lane's values of a tile and row in one 8-byte load, and each
 pair of tiles' positions in masked 4-byte loads that it shifts and folds per lane: 424 instructions a block of 16
 tiles in its loop (sm_90 SASS, 48 loads, 240 registers), most of them address and mask arithmetic (IMAD, ISETP),
@@ -536,24 +545,66 @@ def finish_run(part_ptr, count_ptr, out_ptr, run_index, row0, M0, M, N, SPLIT, s
 
 
 @gluon.jit
-def _stripe_b(x_ptr, stride_xm, M, pid_k, stripes, Q: gl.constexpr, STRIPE: gl.constexpr, L4: gl.constexpr):
+def _stripe_b(x_ptr, stride_xm, M, pid_k, stripes, Q: gl.constexpr, STRIPE: gl.constexpr, L4: gl.constexpr,
+              XVEC: gl.constexpr, num_warps: gl.constexpr):
     """The ``B`` registers of a slice read in stripes ([Note: INT4 stripes], [Note: 2:4 stripes]), loaded once: axis 2
     the stripe ``q``, axis 3 its tile ``s``; register ``i`` holds logical block ``L = t // 2 + 2i`` of the tile, stored
     block ``2 STRIPE (L % 4) + 2s + L // 4`` of the stripe (zero past ``K`` and past ``M``). Returns the four, the lane
-    value ``t // 2 + 4 (t % 2)`` that the asm's metadata gather takes, and ``g``, ``t``, ``q``, ``s``."""
+    value ``t // 2 + 4 (t % 2)`` that the asm's metadata gather takes, and ``g``, ``t``, ``q``, ``s``.
+
+    As int32 pairs of ``x`` that is ``4s + t % 2`` (registers 0 and 1) or ``4s + 2 + t % 2`` (2 and 3) past ``4 STRIPE
+    (t // 2)`` (0 and 2) or ``4 STRIPE (t // 2 + 2)`` (1 and 3) in the stripe: every other int32 of two runs of ``4
+    STRIPE``. With ``XVEC`` a lane loads both runs whole, 16 bytes a tile ([Note: x a word at a time] in
+    ``_dense_mma_kernels``), and keeps the int32 of its parity ``t % 2``; otherwise one 4-byte load a register."""
     lane = _along4(32, 1, L4)
     g = lane // 4
     t = lane % 4
     q = pid_k * Q + _along4(Q, 2, L4)
     s = _along4(STRIPE, 3, L4)
     xmask = (g < M) & (q < stripes)
-    xrow = x_ptr + g * stride_xm + q * (16 * STRIPE) + 4 * s + t % 2
     t2 = t // 2
-    b0 = gl.load(xrow + 2 * (2 * STRIPE * (t2 % 4) + t2 // 4), mask=xmask, other=0)
-    b1 = gl.load(xrow + 2 * (2 * STRIPE * ((t2 + 2) % 4) + (t2 + 2) // 4), mask=xmask, other=0)
-    b2 = gl.load(xrow + 2 * (2 * STRIPE * ((t2 + 4) % 4) + (t2 + 4) // 4), mask=xmask, other=0)
-    b3 = gl.load(xrow + 2 * (2 * STRIPE * ((t2 + 6) % 4) + (t2 + 6) // 4), mask=xmask, other=0)
+    if XVEC:
+        b0, b2 = _stripe_run(x_ptr, stride_xm, M, pid_k, stripes, 0, Q, STRIPE, L4, num_warps)
+        b1, b3 = _stripe_run(x_ptr, stride_xm, M, pid_k, stripes, 8 * STRIPE, Q, STRIPE, L4, num_warps)
+    else:
+        xrow = x_ptr + g * stride_xm + q * (16 * STRIPE) + 4 * s + t % 2
+        b0 = gl.load(xrow + 2 * (2 * STRIPE * (t2 % 4) + t2 // 4), mask=xmask, other=0)
+        b1 = gl.load(xrow + 2 * (2 * STRIPE * ((t2 + 2) % 4) + (t2 + 2) // 4), mask=xmask, other=0)
+        b2 = gl.load(xrow + 2 * (2 * STRIPE * ((t2 + 4) % 4) + (t2 + 4) // 4), mask=xmask, other=0)
+        b3 = gl.load(xrow + 2 * (2 * STRIPE * ((t2 + 6) % 4) + (t2 + 6) // 4), mask=xmask, other=0)
     return b0, b1, b2, b3, gl.zeros_like(b0) + (t2 + 4 * (t % 2)), g, t, q, s
+
+
+@gluon.jit
+def _stripe_run(x_ptr, stride_xm, M, pid_k, stripes, OFF: gl.constexpr, Q: gl.constexpr, STRIPE: gl.constexpr,
+                L4: gl.constexpr, num_warps: gl.constexpr):
+    """Two ``B`` registers of each tile from the lane's run of ``4 STRIPE`` int32 of ``x`` at ``4 STRIPE (t // 2) +
+    OFF`` in each stripe (:func:`_stripe_b`), read 16 bytes a tile: int32 ``4s + t % 2`` and ``4s + 2 + t % 2``."""
+    L5: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, Q, STRIPE, 4], threads_per_warp=[1, 32, 1, 1, 1],
+                                        warps_per_cta=[num_warps, 1, 1, 1, 1], order=[4, 3, 2, 1, 0])
+    S4: gl.constexpr = gl.SliceLayout(4, L5)
+    lane = _along4(32, 1, S4)
+    g = lane // 4
+    t = lane % 4
+    q = pid_k * Q + _along4(Q, 2, S4)
+    s = _along4(STRIPE, 3, S4)
+    e = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, L5)))))
+    e5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(e, 0), 0), 0), 0)
+    at = g * stride_xm + q * (16 * STRIPE) + 4 * STRIPE * (t // 2) + OFF + 4 * s
+    v = gl.load(x_ptr + gl.expand_dims(at, 4) + e5, mask=gl.expand_dims((g < M) & (q < stripes), 4) & (e5 < 4),
+                other=0)
+    v0, v1, v2, v3 = _split4(v)
+    odd = gl.convert_layout(t % 2, v0.type.layout) == 1
+    return (gl.convert_layout(gl.where(odd, v1, v0), L4), gl.convert_layout(gl.where(odd, v3, v2), L4))
+
+
+@gluon.jit
+def _split4(v):
+    """The four values of ``v``'s last axis (4 a thread), in order, each without it."""
+    even, odd = gl.split(gl.reshape(v, v.shape[:-1] + [2, 2]))  # (the last axis of the reshape is the index's bit 0)
+    v0, v2 = gl.split(even)
+    v1, v3 = gl.split(odd)
+    return v0, v1, v2, v3
 
 
 @gluon.jit
@@ -616,7 +667,7 @@ def sparse_mma_w4_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, count_p
                          stride_xm, stride_wn, stride_mn, stride_sn, stride_zn, stride_om, GROUP: gl.constexpr,
                          HAS_ZEROS: gl.constexpr, KT: gl.constexpr, STRIPE: gl.constexpr, ROW_BLOCKS: gl.constexpr,
                          DEPTH: gl.constexpr, EVEN_K: gl.constexpr, PARTIAL: gl.constexpr, FIX_K: gl.constexpr,
-                         ASM: gl.constexpr, ASM_IO: gl.constexpr, num_warps: gl.constexpr):
+                         ASM: gl.constexpr, ASM_IO: gl.constexpr, XVEC: gl.constexpr, num_warps: gl.constexpr):
     """2:4 + INT4: ``out[M, N] = x @ densify(dequant(codes), meta)^T`` for ``M <= 8`` ([Note: 2:4 GEMV on sparse
     tensor cores], [Note: 2:4 + INT4 on sparse tensor cores], [Note: INT4 stripes]).
 
@@ -636,7 +687,8 @@ def sparse_mma_w4_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, count_p
     pid_k = gl.program_id(1)
     stripes = TILES // STRIPE
 
-    b0, b1, b2, b3, lane_v, g, t, q, s = _stripe_b(x_ptr, stride_xm, M, pid_k, stripes, Q, STRIPE, L4)
+    b0, b1, b2, b3, lane_v, g, t, q, s = _stripe_b(x_ptr, stride_xm, M, pid_k, stripes, Q, STRIPE, L4, XVEC,
+                                                   num_warps)
     # metadata: both rows' words of each stripe, every lane of a quad the same STRIPE words (one vector load); the
     # weights are read unmasked: stripes past K read the last one (x is zero there), rows past N row N - 1
     # (EVEN_K: every slice whole, nothing to clamp, and a slice's scales of a row contiguous: one vector load)
@@ -725,7 +777,8 @@ def sparse_mma_stripe_kernel(x_ptr, w_ptr, meta_ptr, part_ptr, count_ptr, out_pt
     pid_k = gl.program_id(1)
     stripes = TILES // STRIPE
 
-    b0, b1, b2, b3, lane_v, g, t, q, s = _stripe_b(x_ptr, stride_xm, M, pid_k, stripes, Q, STRIPE, L4)
+    b0, b1, b2, b3, lane_v, g, t, q, s = _stripe_b(x_ptr, stride_xm, M, pid_k, stripes, Q, STRIPE, L4, False,
+                                                   num_warps)  # (4-byte loads: the 16-byte ones lost here)
     # values: lane t's stored blocks 2 STRIPE t .. 2 STRIPE t + 2 STRIPE - 1 of the stripe, tile s the 64-bit pair
     # 2s, 2s + 1 (its logical blocks t and t + 4); metadata: both rows' STRIPE words, every lane of a quad the same
     w_row = 16 * _along4(num_warps, 0, L4) + g

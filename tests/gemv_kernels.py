@@ -47,6 +47,7 @@ w_dtype = torch.int16 if w4 else torch.int32
 x_dtype = torch.int32
 if kernel_name == "sparse_mma_w4_kernel":  # the GEMV: a lane's codes of a stripe in one load, the stripe's asm
     const["ASM"], const["ASM_IO"] = _sparse_mma_kernels.w4_stripe_asm(const["STRIPE"])
+    const.setdefault("XVEC", True)  # x 16 bytes a tile
     w_dtype = torch.int64 if const["STRIPE"] == 4 else torch.int32
 if kernel_name == "sparse_mma_stripe_kernel":  # plain 2:4 in stripes: a lane's two value words a tile, the asm
     const["ASM"], const["ASM_IO"] = _sparse_mma_kernels.s24_stripe_asm(const["STRIPE"])

@@ -10,6 +10,7 @@ and 176-182)."""
 from __future__ import annotations
 
 import re
+import types
 from dataclasses import replace
 from pathlib import Path
 
@@ -399,23 +400,49 @@ def _one_sparse_mma_per_tile(got: dict, kt: int) -> None:
     assert not any(op.startswith(("LDL", "STL")) for op, _ in got["ops"])
 
 
-@pytest.mark.parametrize("kt,warps,zeros,group,depth,even", [(16, 4, True, 128, 0, True), (8, 8, False, 256, 1, True),
-                                                              (8, 4, True, 64, 1, False)])
-def test_2_4_int4_compiles_for_hopper_to_one_sparse_mma_per_tile(tmp_path, kt, warps, zeros, group, depth, even):
+def test_2_4_int4_stripes_read_x_16_bytes_a_tile_where_its_rows_allow(monkeypatch):
+    """[Note: INT4 stripes]: the 2:4 + INT4 stripe GEMV asks for 16-byte reads of ``x`` where every row of it starts
+    at a multiple of 16 bytes, and gathers it otherwise (rows 520 bytes apart, or a start 2 bytes on)."""
+    asked = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: asked.append(kwargs["XVEC"])
+
+    stub = types.SimpleNamespace(sparse_mma_w4_kernel=Kernel(), w4_stripe_asm=lambda stripe: ("", ""))
+    monkeypatch.setattr(_sparse_mma, "_kernels", lambda: stub)
+    codes, meta = torch.zeros(64, 32, dtype=torch.int32), torch.zeros(64, 16, dtype=torch.int16)
+    s = torch.ones(64, 2, dtype=torch.bfloat16)
+    rows, odd = torch.zeros(4, 264, dtype=torch.bfloat16), torch.zeros(3, 260, dtype=torch.bfloat16)
+    for x in (rows[:1, :256], rows[:, :256], rows[:3, 8:], rows[:, 2:258], odd[:1, :256], odd[:, :256]):
+        _sparse_mma.run_sparse_mma_w4(x, codes, meta, s, None, n=64, group=128, tiles_per_slice=8, row_blocks=1,
+                                      warps=4, workspace=None)
+    assert asked == [True, True, True, False, True, False]
+
+
+@pytest.mark.parametrize("kt,warps,zeros,group,depth,even,xvec", [
+    (16, 4, True, 128, 0, True, True), (8, 8, False, 256, 1, True, True), (8, 4, True, 64, 1, False, True),
+    (16, 4, True, 128, 0, True, False), (8, 4, True, 64, 1, False, False)])
+def test_2_4_int4_compiles_for_hopper_to_one_sparse_mma_per_tile(tmp_path, kt, warps, zeros, group, depth, even,
+                                                                  xvec):
     stripe = _sparse_mma.w4_stripe(group)
     got = _compiled(tmp_path, "sparse_mma_w4_kernel", GROUP=group, HAS_ZEROS=zeros, KT=kt, STRIPE=stripe,
-                    DEPTH=depth, EVEN_K=even, num_warps=warps)
+                    DEPTH=depth, EVEN_K=even, num_warps=warps, XVEC=xvec)
     _one_sparse_mma_per_tile(got, kt)
     # each kept pair becomes code - zero exactly: one bf16 subtraction (fma by 1) per A register, 4 per tile
     assert sum(op.startswith(("HADD2.BF16", "HFMA2.BF16")) for op, _ in got["ops"]) == 4 * kt
     # [Note: INT4 stripes]: one load a stripe and row of the weights, for codes and positions alike, for each block
-    # loaded (one ahead: the first before the loop, the rest in it); the x slice takes 4-byte loads, once
+    # loaded (one ahead: the first before the loop, the rest in it); the x slice once, in 16-byte loads, two a tile
+    # (XVEC: both of a lane's runs whole, _stripe_b), or 4-byte loads, four a tile
     ops = [op for op, _ in got["ops"]]
     stripes = kt // stripe * (depth + 1)
+    x16, x4 = (2 * kt, 0) if xvec else (0, 4 * kt)
     if stripe == 4:  # codes 8 bytes, positions 16 (and a whole slice's scales of a row may be 8 bytes too)
-        assert ops.count("LDG.E.64") >= 2 * stripes and ops.count("LDG.E.128") == 2 * stripes
+        assert ops.count("LDG.E.64") >= 2 * stripes and ops.count("LDG.E.128") == 2 * stripes + x16
+        assert x4 <= ops.count("LDG.E") <= x4 + 2  # (+ a slice's zero points of rows g and g + 8)
     else:  # codes 4 bytes (beside x's), positions 8
-        assert ops.count("LDG.E.64") == 2 * stripes and ops.count("LDG.E") == 4 * kt + 2 * stripes
+        assert ops.count("LDG.E.64") == 2 * stripes and ops.count("LDG.E") == x4 + 2 * stripes
+        assert ops.count("LDG.E.128") == x16
     if even and group == 32 * stripe:  # a stripe a group, whole slices: a slice's scales and zero points of a row in
         # one load each
         assert not any(op in ("LDG.E.U16", "LDG.E.U8") for op in ops)
