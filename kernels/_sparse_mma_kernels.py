@@ -676,7 +676,8 @@ def sparse_mma_w4_kernel(x_ptr, w_ptr, meta_ptr, s_ptr, z_ptr, part_ptr, count_p
     and zero points (uint8; ``HAS_ZEROS`` false: 8) per (row, group of ``GROUP`` original columns, a multiple of
     ``32 * STRIPE``); ``ASM`` / ``ASM_IO``: ``w4_stripe_asm(STRIPE)``. ``KT`` (a multiple of ``STRIPE``) tiles a slice;
     ``DEPTH`` 1 loads the next block's operands while this one multiplies (0: each where it is used); ``EVEN_K``: the
-    slices are whole (``KT`` divides ``TILES``); the rest as ``sparse_mma_kernel``."""
+    slices are whole (``KT`` divides ``TILES``); ``XVEC``: ``x`` read 16 bytes a tile (:func:`_stripe_b`); the rest
+    as ``sparse_mma_kernel``."""
     Q: gl.constexpr = KT // STRIPE  # stripes a slice
     L4: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, Q, STRIPE], threads_per_warp=[1, 32, 1, 1],
                                         warps_per_cta=[num_warps, 1, 1, 1], order=[3, 2, 1, 0])
