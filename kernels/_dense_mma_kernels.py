@@ -158,7 +158,7 @@ import functools
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from ._sparse_mma_kernels import (_along3, _along4, _block_sums, _cta_barrier, _fold_end, _fold_slots,
+from ._sparse_mma_kernels import (_along3, _along4, _along5_last, _block_sums, _cta_barrier, _fold_end, _fold_slots,
                                   _late_sums_keeper, _split4, _store_sums, finish_run, group_params)
 
 _MMA = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
@@ -382,8 +382,7 @@ def _x_word_pairs(x_ptr, g, t, u, q, M, STRIPES, stride_xm, Q: gl.constexpr, WR:
     (bf16 bits)."""
     L5: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, Q, 4, 4], threads_per_warp=[1, 32, 1, 1, 1],
                                         warps_per_cta=[WR, 1, WK, 1, 1], order=[4, 3, 2, 1, 0])  # (L4's, then 4 int32)
-    i = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, L5)))))
-    i5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(i, 0), 0), 0), 0)
+    i5 = _along5_last(4, L5)
     g5 = gl.expand_dims(gl.convert_layout(g, gl.SliceLayout(4, L5)), 4)
     t5 = gl.expand_dims(gl.convert_layout(t, gl.SliceLayout(4, L5)), 4)
     u5 = gl.expand_dims(gl.convert_layout(u, gl.SliceLayout(4, L5)), 4)

@@ -284,6 +284,14 @@ def _along4(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
 
 
 @gluon.jit
+def _along5_last(n: gl.constexpr, layout: gl.constexpr):
+    """``arange(n)`` along the last axis of a 5-D tensor in ``layout`` (size 1 on the others): a word's int32 where a
+    GEMV reads ``x`` a word at a time ([Note: x a word at a time] in ``_dense_mma_kernels``)."""
+    i = gl.arange(0, n, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, layout)))))
+    return gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(i, 0), 0), 0), 0)
+
+
+@gluon.jit
 def _along3(n: gl.constexpr, dim: gl.constexpr, layout: gl.constexpr):
     """``arange(n)`` along ``dim`` of a 3-D tensor in ``layout``."""
     if dim == 0:
@@ -561,12 +569,12 @@ def _stripe_b(x_ptr, stride_xm, M, pid_k, stripes, Q: gl.constexpr, STRIPE: gl.c
     t = lane % 4
     q = pid_k * Q + _along4(Q, 2, L4)
     s = _along4(STRIPE, 3, L4)
-    xmask = (g < M) & (q < stripes)
     t2 = t // 2
     if XVEC:
         b0, b2 = _stripe_run(x_ptr, stride_xm, M, pid_k, stripes, 0, Q, STRIPE, L4, num_warps)
         b1, b3 = _stripe_run(x_ptr, stride_xm, M, pid_k, stripes, 8 * STRIPE, Q, STRIPE, L4, num_warps)
     else:
+        xmask = (g < M) & (q < stripes)
         xrow = x_ptr + g * stride_xm + q * (16 * STRIPE) + 4 * s + t % 2
         b0 = gl.load(xrow + 2 * (2 * STRIPE * (t2 % 4) + t2 // 4), mask=xmask, other=0)
         b1 = gl.load(xrow + 2 * (2 * STRIPE * ((t2 + 2) % 4) + (t2 + 2) // 4), mask=xmask, other=0)
@@ -588,8 +596,7 @@ def _stripe_run(x_ptr, stride_xm, M, pid_k, stripes, OFF: gl.constexpr, Q: gl.co
     t = lane % 4
     q = pid_k * Q + _along4(Q, 2, S4)
     s = _along4(STRIPE, 3, S4)
-    e = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, L5)))))
-    e5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(e, 0), 0), 0), 0)
+    e5 = _along5_last(4, L5)
     at = g * stride_xm + q * (16 * STRIPE) + 4 * STRIPE * (t // 2) + OFF + 4 * s
     v = gl.load(x_ptr + gl.expand_dims(at, 4) + e5, mask=gl.expand_dims((g < M) & (q < stripes), 4) & (e5 < 4),
                 other=0)

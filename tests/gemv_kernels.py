@@ -3,6 +3,7 @@ CPU (``tests/sm90_compile.py`` runs the compile script)."""
 from __future__ import annotations
 
 import json
+import types
 from pathlib import Path
 
 from tests.sm90_compile import run_compile_script
@@ -26,6 +27,20 @@ def record_offers(monkeypatch, module, possible: str) -> list:
 
     monkeypatch.setattr(_word, "_pick", pick)
     return lists
+
+
+def record_launch_kwarg(monkeypatch, module, key: str, kernels: tuple[str, ...], asms: tuple[str, ...]) -> list:
+    """Stand in for ``module._kernels()``: a launch of any of ``kernels`` runs nothing and appends the value of its
+    keyword argument ``key`` to the list returned; the asm builders ``asms`` return empty asm."""
+    asked = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: asked.append(kwargs[key])
+
+    stub = types.SimpleNamespace(**{name: Kernel() for name in kernels}, **{name: lambda *a: ("", "") for name in asms})
+    monkeypatch.setattr(module, "_kernels", lambda: stub)
+    return asked
 
 
 # argv: kernel name, constexprs (JSON), the cubin's path. Prints the JSON of the SASS's (opcode, operands), stack,

@@ -8,13 +8,12 @@ reference at full size (``benchmarks/gemv_check.py --formats w4 --kinds dense de
 kernels runs 160-163 and 185-186)."""
 from __future__ import annotations
 
-import types
 from dataclasses import replace
 
 import pytest
 import torch
 
-from tests.gemv_kernels import Picked, compile_gemv_kernel, loop_around, record_offers
+from tests.gemv_kernels import Picked, compile_gemv_kernel, loop_around, record_launch_kwarg, record_offers
 from tests.ptx_emulator import bf16_bits, emulate, pair
 from zspeed.kernels import KernelPolicy, _dense_mma, _word
 
@@ -224,15 +223,8 @@ def test_x_is_read_a_word_at_a_time_where_every_row_starts_at_16_bytes(monkeypat
     """[Note: x a word at a time]: both GEMV launchers ask for 16-byte reads of ``x`` where each of its rows starts at
     a multiple of 16 bytes (one row: where it starts); rows a stride of 4 values apart, or a start 2 bytes on, keep
     the gathers."""
-    asked = []
-
-    class Kernel:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: asked.append(kwargs["XVEC"])
-
-    stub = types.SimpleNamespace(dense_mma_w4_fold_kernel=Kernel(), dense_mma_w4_kernel=Kernel(),
-                                 w4_dense_fold_asm=lambda: ("", ""), w4_dense_asm=lambda nt: ("", ""))
-    monkeypatch.setattr(_dense_mma, "_kernels", lambda: stub)
+    asked = record_launch_kwarg(monkeypatch, _dense_mma, "XVEC", ("dense_mma_w4_fold_kernel", "dense_mma_w4_kernel"),
+                                ("w4_dense_fold_asm", "w4_dense_asm"))
     run = _dense_mma.run_dense_mma_w4_fold if fold else _dense_mma.run_dense_mma_w4
     words, s = torch.zeros(64, 32, dtype=torch.int32), torch.ones(64, 2, dtype=torch.bfloat16)
     rows = torch.zeros(4, 264, dtype=torch.bfloat16)

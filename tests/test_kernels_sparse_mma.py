@@ -10,14 +10,13 @@ and 176-182)."""
 from __future__ import annotations
 
 import re
-import types
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.gemv_kernels import Picked, compile_gemv_kernel, loop_around, record_offers
+from tests.gemv_kernels import Picked, compile_gemv_kernel, loop_around, record_launch_kwarg, record_offers
 from zspeed.kernels import KernelPolicy, _sparse_mma, _word
 
 
@@ -403,14 +402,7 @@ def _one_sparse_mma_per_tile(got: dict, kt: int) -> None:
 def test_2_4_int4_stripes_read_x_16_bytes_a_tile_where_its_rows_allow(monkeypatch):
     """[Note: INT4 stripes]: the 2:4 + INT4 stripe GEMV asks for 16-byte reads of ``x`` where every row of it starts
     at a multiple of 16 bytes, and gathers it otherwise (rows 520 bytes apart, or a start 2 bytes on)."""
-    asked = []
-
-    class Kernel:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: asked.append(kwargs["XVEC"])
-
-    stub = types.SimpleNamespace(sparse_mma_w4_kernel=Kernel(), w4_stripe_asm=lambda stripe: ("", ""))
-    monkeypatch.setattr(_sparse_mma, "_kernels", lambda: stub)
+    asked = record_launch_kwarg(monkeypatch, _sparse_mma, "XVEC", ("sparse_mma_w4_kernel",), ("w4_stripe_asm",))
     codes, meta = torch.zeros(64, 32, dtype=torch.int32), torch.zeros(64, 16, dtype=torch.int16)
     s = torch.ones(64, 2, dtype=torch.bfloat16)
     rows, odd = torch.zeros(4, 264, dtype=torch.bfloat16), torch.zeros(3, 260, dtype=torch.bfloat16)
