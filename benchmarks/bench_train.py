@@ -4,6 +4,7 @@ One system per process group; run every system through the driver, which
 launches each under torchrun in turn and prints one table:
 
     python benchmarks/bench_train.py --driver --nproc 2 --systems zspeed-z2,deepspeed-z2,fsdp2 [--json OUT]
+    python benchmarks/bench_train.py --driver --nproc 1 2 4 8 --systems zspeed-z3,fsdp2,plain   # + the scaling
     torchrun --nproc-per-node 2 benchmarks/bench_train.py --system zspeed-z3      # one system
 
 Workload (../shared/TARGETS.md): Llama-shaped 1.1 B (hidden 2048, 22 layers, 32
@@ -11,6 +12,11 @@ heads, 4 KV heads, FFN 5632, vocab 32000), sequence 2048, micro-batch 4, bf16,
 AdamW, gradient clipping 1.0, random tokens, SDPA attention; 3 warm-up steps,
 then 8 timed steps. tokens/s per GPU = micro-batch x sequence / step time.
 MFU counts 6 N + 12 L h T flops per token against 989 TFLOP/s (H100/H200 dense bf16).
+
+With several ``--nproc`` counts the driver runs every system at each (plain PyTorch once, on one GPU) and then
+prints, per run, the scaling efficiency (tokens/s per GPU over the system's own at its fewest GPUs), the ratio to
+plain PyTorch on one GPU, and the peak less 12 bytes a parameter over the GPUs: the same at every count where a
+system's memory follows the ZeRO formula (``scaling``).
 """
 from __future__ import annotations
 
@@ -314,47 +320,90 @@ def memory_report(torch, device, stem: Path, top: int = 12) -> dict:
 
 
 def driver(args) -> None:
+    """Each system of ``args.systems`` under torchrun at each GPU count of ``args.nproc`` (``plain``: once, on one
+    GPU), one at a time; then the table, and with several counts the scaling (:func:`scaling`)."""
     rows = []
-    for system in args.systems.split(","):
-        nproc = 1 if system == "plain" else args.nproc
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-port",
-               str(29500 + len(rows)), __file__, "--system", system, *args.passthrough]
-        # Every system gets the same CPU threads per process: the node's CPUs shared by its processes.
-        # torchrun would otherwise set OMP_NUM_THREADS=1 at 2 processes, which DeepSpeedCPUAdam (OpenMP)
-        # and torch's CPU ops obey (zspeed's offload picks the same count itself: host_threads = 0).
-        env = dict(os.environ, OMP_NUM_THREADS=str(max(1, len(os.sched_getaffinity(0)) // nproc)))
-        t0 = time.time()
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
-        except subprocess.TimeoutExpired as err:  # one stuck system must not cost the others their turn
-            out = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
-            proc = subprocess.CompletedProcess(cmd, -9, out(err.stdout), out(err.stderr) + f"\ntimed out after "
-                                               f"{args.timeout} s")
-        found = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        if proc.returncode or not found:
-            tail = (proc.stdout + proc.stderr)[-3000:]
-            print(f"== {system} failed (rc {proc.returncode}, {time.time() - t0:.0f} s)\n{tail}", flush=True)
-            rows.append(dict(system=system, error=tail[-500:]))
-            continue
-        rows.append(found[0])
-        print(f"== {system}: {found[0]} ({time.time() - t0:.0f} s)", flush=True)
+    for n in sorted(set(args.nproc)):
+        for system in args.systems.split(","):
+            if system == "plain" and any(r["system"] == "plain" for r in rows):
+                continue  # one GPU whatever the count
+            rows.append(launch_system(args, system, 1 if system == "plain" else n, port=29500 + len(rows)))
     print(f"\n{'system':22s} {'GPUs':>4s} {'tok/s/GPU':>10s} {'peak GiB':>9s} {'MFU':>6s}  loss first->last")
     for r in rows:
         if "error" in r:
-            print(f"{r['system']:22s} failed")
+            print(f"{r['system']:22s} {r['gpus']:4d} failed")
             continue
         print(f"{r['system']:22s} {r['gpus']:4d} {r['tokens_per_s_per_gpu']:10.0f} {r['peak_gib']:9.1f} "
               f"{r['mfu']:6.3f}  {r['first_loss']:.3f}->{r['last_loss']:.3f}")
+    table = scaling(rows)
+    if len({r["gpus"] for r in table}) > 1:
+        print(f"\nscaling: per-GPU tokens/s over the system's own at its fewest GPUs, over plain PyTorch on one GPU; "
+              f"peak less 12 bytes a parameter over the GPUs (the sharded fp32 master and AdamW state)")
+        print(f"{'system':22s} {'GPUs':>4s} {'efficiency':>10s} {'vs plain':>9s} {'peak - 12P/N':>13s}")
+        for r in table:
+            eff = "" if r["efficiency"] is None else f"{r['efficiency']:.3f}"
+            plain = "" if r["vs_plain"] is None else f"{r['vs_plain']:.3f}"
+            print(f"{r['system']:22s} {r['gpus']:4d} {eff:>10s} {plain:>9s} {r['peak_less_state_gib']:10.3f} GiB")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def launch_system(args, system: str, nproc: int, *, port: int) -> dict:
+    """One system under torchrun on ``nproc`` GPUs: its result row, or ``{system, gpus, error}``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-port", str(port),
+           __file__, "--system", system, *args.passthrough]
+    # Every system gets the same CPU threads per process: the node's CPUs shared by its processes.
+    # torchrun would otherwise set OMP_NUM_THREADS=1 at 2 processes, which DeepSpeedCPUAdam (OpenMP)
+    # and torch's CPU ops obey (zspeed's offload picks the same count itself: host_threads = 0).
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, len(os.sched_getaffinity(0)) // nproc)))
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+    except subprocess.TimeoutExpired as err:  # one stuck system must not cost the others their turn
+        out = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
+        proc = subprocess.CompletedProcess(cmd, -9, out(err.stdout), out(err.stderr) + f"\ntimed out after "
+                                           f"{args.timeout} s")
+    found = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not found:
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        print(f"== {system} on {nproc} failed (rc {proc.returncode}, {time.time() - t0:.0f} s)\n{tail}", flush=True)
+        return dict(system=system, gpus=nproc, error=tail[-500:])
+    print(f"== {system}: {found[0]} ({time.time() - t0:.0f} s)", flush=True)
+    return found[0]
+
+
+STATE_BYTES = 12  # a parameter's fp32 master, AdamW momentum and variance: what every sharded system splits over N
+
+
+def scaling(rows: list[dict]) -> list[dict]:
+    """The driver's runs as scaling (failed runs left out): for each run, ``efficiency`` (tokens/s per GPU over the
+    same system's at the fewest GPUs it ran on, ``None`` there), ``vs_plain`` (over plain PyTorch's on one GPU,
+    ``None`` without such a run), and ``peak_less_state_gib``: the per-GPU peak less ``STATE_BYTES`` a parameter over
+    the GPUs. Where a system's memory follows the ZeRO formula, that rest is the same at every count (what is not
+    sharded: activations, gathered layers, ZeRO-2's 16-bit parameters)."""
+    ok = [r for r in rows if "error" not in r]
+    fewest = {}
+    for r in sorted(ok, key=lambda r: r["gpus"]):
+        fewest.setdefault(r["system"], r)
+    plain = fewest.get("plain")
+    out = []
+    for r in ok:
+        base = fewest[r["system"]]
+        out.append(dict(system=r["system"], gpus=r["gpus"],
+                        efficiency=None if base is r else r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"],
+                        vs_plain=None if plain is None or r["system"] == "plain"
+                        else r["tokens_per_s_per_gpu"] / plain["tokens_per_s_per_gpu"],
+                        peak_less_state_gib=r["peak_gib"] - STATE_BYTES * r["params"] / r["gpus"] / 2**30))
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--driver", action="store_true")
     ap.add_argument("--systems", default="zspeed-z2,deepspeed-z2,zspeed-z3,deepspeed-z3,fsdp2,plain")
-    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--nproc", type=int, nargs="+", default=[2],
+                    help="GPUs a system (the driver); several counts run every system at each and print the scaling")
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeout", type=int, default=300)
     ap.add_argument("--memory-report", metavar="DIR", help="record every CUDA allocation and report (DIR/<system>-"
@@ -411,14 +460,20 @@ def _system(name: str) -> str:
 
 def _strip_driver_values(argv: list[str]) -> list[str]:
     """The workload flags to pass to each system's process (driver-only flags removed)."""
-    out, skip = [], False
+    out, skip, counts = [], False, False
     for a in argv:
         if skip:
             skip = False
             continue
+        if counts and not a.startswith("-"):  # the counts after --nproc
+            continue
+        counts = False
         if a == "--driver":
             continue
-        if a in ("--systems", "--nproc", "--json", "--timeout"):
+        if a == "--nproc":  # one or more counts
+            counts = True
+            continue
+        if a in ("--systems", "--json", "--timeout"):
             skip = True
             continue
         if a.startswith(("--systems=", "--nproc=", "--json=", "--timeout=")):
