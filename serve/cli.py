@@ -20,7 +20,11 @@ halved its saturation rate; in a steady run such a pause lengthens one
 inter-token gap of every running request by as much). Frozen objects are still
 freed by reference counting; only cycles among them are never collected, and
 they live as long as the server anyway. Full collections then walk only what
-serving creates.
+serving creates. At exit they are unfrozen again (an ``atexit`` handler), so
+the interpreter's last collection frees them: left frozen, objects of extension
+modules outlived the modules' teardown, and nanobind (Triton 3.9's bindings,
+which torch imports) printed a page of "leaked instance" lines as each zserve
+process exited, the end of ``zspeed-demo`` included.
 
 [Note: GIL switch interval] With the engine in its own process, the gRPC
 process is all waiting threads: the pipe reader that receives each step's
@@ -39,6 +43,7 @@ the one busy thread there.
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
 import logging
 import os
@@ -237,9 +242,11 @@ GIL_SWITCH_S = 0.0005  # the gRPC process's GIL hand-off interval ([Note: GIL sw
 
 
 def freeze_startup_objects() -> None:
-    """Keeps what start-up left alive out of the cyclic collector's full passes (see [Note: GC freeze])."""
+    """Keeps what start-up left alive out of the cyclic collector's full passes until the interpreter exits (see
+    [Note: GC freeze])."""
     gc.collect()
     gc.freeze()
+    atexit.register(gc.unfreeze)
     logging.getLogger("zspeed.serve").info("gc: %d start-up objects frozen", gc.get_freeze_count())
 
 
