@@ -123,6 +123,32 @@ def test_torchrun_command_drops_nproc():
     assert cmd[cmd.index("zspeed.train.cli") + 1:] == ["--model", "m", "--data", "d"]
 
 
+class Execd(Exception):
+    """Raised by the stand-in for ``os.execv``, with the command and the OMP_NUM_THREADS it was given."""
+
+
+@pytest.mark.parametrize("preset", [None, "3"])
+def test_nproc_gives_each_worker_its_share_of_the_cores(monkeypatch, data, tmp_path, preset):
+    """--nproc N re-executes through torchrun with OMP_NUM_THREADS = cores / N (torchrun's own default is 1, with a
+    banner about it); a value the user set is kept."""
+    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    if preset is not None:
+        monkeypatch.setenv("OMP_NUM_THREADS", preset)
+
+    def execv(path, cmd):
+        raise Execd(cmd, os.environ.get("OMP_NUM_THREADS"))
+
+    monkeypatch.setattr(cli.os, "execv", execv)
+    monkeypatch.setattr(cli.os, "sched_getaffinity", lambda pid: set(range(8)))
+    with pytest.raises(Execd) as got:
+        cli.main([*RUN_ARGS, "--nproc", "2", "--data", str(data), "--out", str(tmp_path / "run"), "--no-export"])
+    cmd, threads = got.value.args
+    assert "--nproc-per-node=2" in cmd
+    assert threads == (preset or "4")
+    assert cli.threads_per_worker(16) == 1
+
+
 # -- whole runs ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ and the checkpoint folder when resuming. Errors go to stderr as
 ``ztrain: error: ...`` with exit status 2.
 
 ``--nproc N`` (N > 1) outside torchrun re-executes the same command through
-``python -m torch.distributed.run --standalone --nproc-per-node N``; under
+``python -m torch.distributed.run --standalone --nproc-per-node N``, each
+worker with ``OMP_NUM_THREADS`` of the cores shared out unless it is set; under
 torchrun (including elastic ``--nnodes=MIN:MAX --max-restarts=K``) each worker
 runs the loop of :mod:`zspeed.train.trainer`, and a restarted worker resumes
 from the latest checkpoint when there is one.
@@ -246,6 +247,11 @@ def _torchrun_command(nproc: int, argv: Sequence[str]) -> list[str]:
             "-m", "zspeed.train.cli", *rest]
 
 
+def threads_per_worker(nproc: int) -> int:
+    """CPU threads for each of ``nproc`` workers on this machine: the cores this process may use, shared out."""
+    return max(1, len(os.sched_getaffinity(0)) // nproc)
+
+
 def _is_rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
@@ -265,6 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if world > 1 and not _under_torchrun():
         cmd = _torchrun_command(world, argv)
+        # each worker its share of the cores; unset, torchrun gives each one thread and prints a banner saying so
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_worker(world)))
         sys.stdout.flush()
         sys.stderr.flush()
         os.execv(cmd[0], cmd)  # does not return
