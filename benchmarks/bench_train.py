@@ -337,9 +337,9 @@ def driver(args) -> None:
               f"{r['mfu']:6.3f}  {r['first_loss']:.3f}->{r['last_loss']:.3f}")
     table = scaling(rows)
     if len({r["gpus"] for r in table}) > 1:
-        print(f"\nscaling: per-GPU tokens/s over the system's own at its fewest GPUs, over plain PyTorch on one GPU; "
-              f"peak less 12 bytes a parameter over the GPUs (the sharded fp32 master and AdamW state)")
-        print(f"{'system':22s} {'GPUs':>4s} {'efficiency':>10s} {'vs plain':>9s} {'peak - 12P/N':>13s}")
+        print("\nscaling: per-GPU tokens/s over the system's own at its fewest GPUs, over plain PyTorch on one GPU; "
+              f"peak less {STATE_BYTES} bytes a parameter over the GPUs (the sharded fp32 master and AdamW state)")
+        print(f"{'system':22s} {'GPUs':>4s} {'efficiency':>10s} {'vs plain':>9s} {f'peak - {STATE_BYTES}P/N':>13s}")
         for r in table:
             eff = "" if r["efficiency"] is None else f"{r['efficiency']:.3f}"
             plain = "" if r["vs_plain"] is None else f"{r['vs_plain']:.3f}"
@@ -353,10 +353,12 @@ def launch_system(args, system: str, nproc: int, *, port: int) -> dict:
     """One system under torchrun on ``nproc`` GPUs: its result row, or ``{system, gpus, error}``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-port", str(port),
            __file__, "--system", system, *args.passthrough]
+    from zspeed.train.cli import threads_per_worker
+
     # Every system gets the same CPU threads per process: the node's CPUs shared by its processes.
     # torchrun would otherwise set OMP_NUM_THREADS=1 at 2 processes, which DeepSpeedCPUAdam (OpenMP)
     # and torch's CPU ops obey (zspeed's offload picks the same count itself: host_threads = 0).
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, len(os.sched_getaffinity(0)) // nproc)))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads_per_worker(nproc)))
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
