@@ -133,6 +133,58 @@ def test_sigkill_mid_save_leaves_the_previous_checkpoint(tmp_path):
     assert read_latest(tmp_path) == "global_step2" and not (tmp_path / "global_step2.tmp").exists()
 
 
+def _resave_then_die(root: str, exchange: bool) -> None:
+    """Save global_step1, then save the same tag again and die where the old folder is out of the way: after the
+    atomic exchange (``exchange``), or between the two renames of the fallback."""
+    torch.set_num_threads(1)
+    engine = make_engine(Topology.single(), 2, kind="mlp")
+    train(engine, Topology.single(), 1, kind="mlp")
+    engine.save_checkpoint(root)
+    replace = os.replace
+    if exchange:
+        swap = checkpoint_format._exchange
+
+        def killed_after_swap(a, b):
+            assert swap(a, b)
+            os.kill(os.getpid(), signal.SIGKILL)
+        checkpoint_format._exchange = killed_after_swap
+    else:
+        checkpoint_format._exchange = lambda a, b: False
+
+        def killed_between(src, dst):
+            if ".old-" in str(dst):  # the old folder moved aside; the new one is never renamed in
+                replace(src, dst)
+                os.kill(os.getpid(), signal.SIGKILL)
+            replace(src, dst)
+        checkpoint_format.os.replace = killed_between
+    engine.save_checkpoint(root, tag="global_step1")
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_sigkill_while_saving_a_tag_again_leaves_a_loadable_tag(tmp_path, exchange):
+    """Saving over an existing tag: with the atomic exchange the tag is always whole (the new one); without it a kill
+    between the two renames leaves the tag missing, and the next reader moves the old folder back."""
+    proc = mp.get_context("spawn").Process(target=_resave_then_die, args=(str(tmp_path), exchange))
+    proc.start()
+    proc.join(120)
+    assert proc.exitcode == -signal.SIGKILL
+    assert (tmp_path / "global_step1").is_dir() == exchange  # (the fallback left it moved aside)
+    assert read_latest(tmp_path) == "global_step1" and (tmp_path / "global_step1").is_dir()
+    assert not list(tmp_path.glob(".global_step1.old-*"))
+    engine = make_engine(Topology.single(), 2, kind="mlp")
+    folder, _ = engine.load_checkpoint(str(tmp_path))
+    assert folder.endswith("global_step1") and engine.global_steps == 1
+
+
+def test_saving_a_tag_again_replaces_it_whole(tmp_path):
+    staging = checkpoint_format.staging_dir(tmp_path, "t")
+    for text in ("old", "new"):
+        staging.mkdir()
+        (staging / "f").write_text(text)
+        checkpoint_format.commit_dir(staging, tmp_path / "t")
+    assert (tmp_path / "t" / "f").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["t"]
+
+
 def test_corrupted_shard_and_other_model_are_refused(tmp_path):
     topo = Topology.single()
     engine = make_engine(topo, 1, kind="mlp")

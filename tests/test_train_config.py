@@ -219,7 +219,7 @@ def test_all_problems_are_reported_together():
     ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, "scheduler.params.total_num_steps is required"),
     ({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "cos_min_ratio": 2}}},
      "scheduler.params.cos_min_ratio must lie in [0, 1]"),
-    ({"zero_optimization": {"stage": "two"}}, "zero_optimization.stage must be a number"),
+    ({"zero_optimization": {"stage": "two"}}, "zero_optimization.stage must be a whole number (like 2"),
     ({"zero_optimization": {"reduce_bucket_size": 2.5}}, "zero_optimization.reduce_bucket_size must be a whole number"),
     ({"wall_clock_breakdown": 1}, "wall_clock_breakdown must be true or false"),
     ({"steps_per_print": 0}, "steps_per_print must be >= 1"),

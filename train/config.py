@@ -538,7 +538,10 @@ def _to_int(value: Any, dotted: str) -> int:
         return value
     if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
         return int(value.strip())
-    as_float = _to_float(value, dotted)
+    try:
+        as_float = _to_float(value, dotted)
+    except _Bad:
+        raise _Bad(f"{dotted} must be a whole number (like 2 or \"2\"), got {value!r}") from None
     if not as_float.is_integer():
         raise _Bad(f"{dotted} must be a whole number, got {value!r}")
     return int(as_float)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -81,7 +82,11 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     if not args.skip_core:
         _run("core: streamer and sharded collectives", ["zspeed.core.demo"])
-    train_dir = out / "train"
+    train_dir, int8_dir = out / "train", out / "int8"
+    for stage in (train_dir, int8_dir):  # a previous demo's outputs: ztrain and zcompress refuse to overwrite them
+        if stage.exists():
+            print(f"   replacing the previous demo's {stage}", flush=True)
+            shutil.rmtree(stage)
     _run("ztrain: tiny Llama, real English text, 2 processes, ZeRO-2",
          ["zspeed.train.cli", "--model", "tiny-llama", "--demo-corpus", "2000", "--nproc", "2", "--zero-stage", "2",
           "--seq-len", "128", "--micro-batch", "8", "--max-steps", str(args.steps), "--lr", "2e-3",
@@ -91,7 +96,6 @@ def main(argv: list[str] | None = None) -> None:
         print(f"   held-out loss {evals[0]:.3f} -> {evals[-1]:.3f} (curve: {train_dir / 'loss.png'})")
     if len(evals) < 2 or not evals[-1] < evals[0]:
         raise SystemExit(f"the held-out loss did not fall: {evals}")
-    int8_dir = out / "int8"
     _run("zcompress: INT8 weight-only", ["zspeed.compress.cli", "quantize", "--model", str(train_dir / "model"),
                                          "--bits", "8", "--out", str(int8_dir)])
     serve_and_query(int8_dir, "The history of")
