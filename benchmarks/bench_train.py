@@ -323,7 +323,14 @@ def driver(args) -> None:
     """Each system of ``args.systems`` under torchrun at each GPU count of ``args.nproc`` (``plain``: once, on one
     GPU), one at a time; then the table, and with several counts the scaling (:func:`scaling`)."""
     rows = []
-    for n in sorted(set(args.nproc)):
+    here = gpus_here()
+    counts = sorted(set(args.nproc))
+    if counts[-1] > here:
+        print(f"skipping {', '.join(str(n) for n in counts if n > here)} GPUs: this machine has {here}", flush=True)
+        counts = [n for n in counts if n <= here]
+        if not counts:
+            raise SystemExit(f"bench_train.py --driver: no --nproc count fits the {here} GPUs here")
+    for n in counts:
         for system in args.systems.split(","):
             if system == "plain" and any(r["system"] == "plain" for r in rows):
                 continue  # one GPU whatever the count
@@ -347,6 +354,13 @@ def driver(args) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def gpus_here() -> int:
+    """The GPUs this driver can hand its runs."""
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def launch_system(args, system: str, nproc: int, *, port: int) -> dict:

@@ -57,6 +57,7 @@ def test_driver_runs_each_system_at_each_count_and_plain_once(monkeypatch, capsy
         return subprocess.CompletedProcess(cmd, 0, "noise\nRESULT " + json.dumps(row) + "\n", "")
 
     monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    monkeypatch.setattr(bench, "gpus_here", lambda: 8)
     out = tmp_path / "rows.json"
     monkeypatch.setattr("sys.argv", ["bench_train.py", "--driver", "--nproc", "4", "1", "2", "--systems",
                                      "zspeed-z3,plain,deepspeed-z3", "--seq", "64", "--json", str(out)])
@@ -74,3 +75,23 @@ def test_driver_runs_each_system_at_each_count_and_plain_once(monkeypatch, capsy
     # every run's rest is the 10.0 GiB the stand-in put above the sharded state; efficiency at 4 GPUs is 40004/40001
     assert text.count(" 10.000 GiB") == 6
     assert f"{40004 / 40001:.3f}" in text
+
+
+def test_driver_skips_counts_above_the_gpus_here(monkeypatch, capsys):
+    bench = load_benchmark("bench_train")
+    launched = []
+
+    def fake_run(cmd, **kwargs):
+        launched.append(int(next(a for a in cmd if a.startswith("--nproc-per-node=")).split("=")[1]))
+        row = _row("fsdp2", launched[-1], 40000.0, 30.0)
+        return subprocess.CompletedProcess(cmd, 0, "RESULT " + json.dumps(row) + "\n", "")
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    monkeypatch.setattr(bench, "gpus_here", lambda: 2)
+    monkeypatch.setattr("sys.argv", ["bench_train.py", "--driver", "--nproc", "1", "2", "4", "8", "--systems", "fsdp2"])
+    bench.main()
+    assert launched == [1, 2]
+    assert "skipping 4, 8 GPUs: this machine has 2" in capsys.readouterr().out
+    monkeypatch.setattr(bench, "gpus_here", lambda: 0)
+    with pytest.raises(SystemExit, match="no --nproc count fits the 0 GPUs here"):
+        bench.main()
