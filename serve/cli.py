@@ -3,11 +3,13 @@
     zserve --model DIR|HF_ID|PRESET [--random-weights] --offload none|cpu|nvme [--nvme-path P] [--window K]
            [--fuse-projections auto|on|off]
            [--host 127.0.0.1] [--port 50051] [--metrics-port P] [--tls-cert F --tls-key F] [--auth-token T]
-    zserve query [--host H] --port P [--stream] [--max-new-tokens N] "prompt"
+    zserve query [--host H] --port P [--wait S] [--stream] [--max-new-tokens N] "prompt"
     zserve synth --arch llama-70b --out DIR [--num-layers N]
 
 The server drains on SIGTERM (or Ctrl-C): it stops taking requests, finishes
-those it has, and exits 0. The bearer token can also come from the
+those it has, and exits 0; while it is still loading the model, it just exits 0.
+``zserve query`` waits up to ``--wait`` seconds (default 60) for the server to
+report SERVING, so it can follow ``zserve ... &`` at once. The bearer token can also come from the
 ``ZSERVE_AUTH_TOKEN`` environment variable (kept out of ``ps``).
 
 [Note: GC freeze] Before the port opens, ``zserve`` collects once and then
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import errno
 import gc
 import logging
 import os
@@ -58,10 +61,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 TOKEN_ENV = "ZSERVE_AUTH_TOKEN"
 _SUBCOMMANDS = ("serve", "query", "synth")
+_EPILOG = """other commands:
+  zserve query [--port P] [--wait S] "prompt"   send one prompt to a running server (zserve query -h)
+  zserve synth --arch PRESET --out DIR          write a random-weight checkpoint (zserve synth -h)"""
 
 
 def _serve_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="zserve", description="Serve a causal LM over gRPC (zspeed.serve.v1).")
+    p = argparse.ArgumentParser(prog="zserve", description="Serve a causal LM over gRPC (zspeed.serve.v1).",
+                                epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model")
     m.add_argument("--model", required=True, help="HF folder, zcompress folder, HF id in the local cache, or a "
                    "preset (tiny, llama-8b, llama-70b) with --random-weights")
@@ -124,6 +131,9 @@ def _query_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="?", help="the prompt text (or ids with --token-ids)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--wait", type=float, default=60.0, metavar="SECONDS",
+                   help="wait this long for the server to be ready (e.g. still loading) before sending; 0: do "
+                        "not wait (default 60)")
     p.add_argument("--token", default=os.environ.get(TOKEN_ENV), help=f"bearer token (default: ${TOKEN_ENV})")
     p.add_argument("--tls-ca", help="PEM file of the CA (or self-signed certificate) to trust; implies TLS")
     p.add_argument("--tls", action="store_true", help="TLS with the system's root certificates")
@@ -157,6 +167,7 @@ def _synth_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv and argv[0] in _SUBCOMMANDS else "serve"
+    prog = "zserve" if command == "serve" else f"zserve {command}"  # as argparse names it
     try:
         if command == "query":
             return cmd_query(_query_parser().parse_args(argv))
@@ -164,16 +175,97 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_synth(_synth_parser().parse_args(argv))
         return cmd_serve(_serve_parser().parse_args(argv))
     except (ValueError, OSError) as e:
-        print(f"zserve {command}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    except StoppedWhileLoading:
+        print(f"{prog}: stopped by a signal while loading the model; exiting", file=sys.stderr)
+        return 0
+
+
+class StoppedWhileLoading(BaseException):
+    """SIGTERM or SIGINT arrived before the server started: nothing to drain, so it just exits 0."""
+
+
+def _stop_loading(signum, frame) -> None:
+    raise StoppedWhileLoading
+
+
+def _interruptible(start):
+    """``start()`` with SIGTERM and SIGINT raising :class:`StoppedWhileLoading`; the old handlers are back if it
+    fails."""
+    previous = {sig: signal.signal(sig, _stop_loading) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return start()
+    except BaseException:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        raise
+
+
+def check_ranges(*checks: tuple[str, float | None, float, float]) -> None:
+    """Raises ValueError naming the flag of the first ``(flag, value, low, high)`` with value outside [low, high]."""
+    for flag, value, low, high in checks:
+        if value is not None and not low <= value <= high:
+            bounds = f">= {low:g}" if high == float("inf") else f"in [{low:g}, {high:g}]"
+            raise ValueError(f"{flag} must be {bounds}, got {value:g}")
+
+
+def check_port_free(host: str, port: int | None, flag: str) -> None:
+    """Raises OSError naming ``flag`` if ``host:port`` cannot be bound (in use), before the model loads."""
+    if not port:  # None: not served; 0: the OS picks a free one
+        return
+    import socket
+
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is no conflict
+        try:
+            probe.bind(addr)
+        except OSError as e:
+            shown = f"[{host}]" if ":" in host else host
+            raise OSError(f"{shown}:{port} is in use ({flag}); choose another port" if e.errno == errno.EADDRINUSE
+                          else f"cannot bind {shown}:{port} ({flag}): {e.strerror}") from None
+
+
+_ANY = float("inf")
+_PORT = (0, 65535)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    check_ranges(("--port", args.port, *_PORT), ("--metrics-port", args.metrics_port, *_PORT),
+                 ("--max-batch-size", args.max_batch_size, 1, _ANY),
+                 ("--max-num-batched-tokens", args.max_num_batched_tokens, args.max_batch_size, _ANY),
+                 ("--max-queue-size", args.max_queue_size, 1, _ANY),
+                 ("--max-queue-delay-ms", args.max_queue_delay_ms, 0, _ANY),
+                 ("--max-model-len", args.max_model_len, 2, _ANY),
+                 ("--max-prompt-tokens", args.max_prompt_tokens, 1, _ANY),
+                 ("--max-new-tokens", args.max_new_tokens, 1, _ANY),
+                 ("--default-max-new-tokens", args.default_max_new_tokens, 1, args.max_new_tokens),
+                 ("--max-message-bytes", args.max_message_bytes, 1024, _ANY),
+                 ("--drain-timeout", args.drain_timeout, 0, _ANY),
+                 ("--num-layers", args.num_layers, 1, _ANY), ("--window", args.window, 1, _ANY))
     if args.prefill_pacing_steps < 0:
         raise ValueError(f"--prefill-pacing-steps must be >= 0 (0: no pacing), got {args.prefill_pacing_steps}")
     if args.max_prefill_tokens_per_step < 0:
         raise ValueError("--max-prefill-tokens-per-step must be >= 0 (0: no cap), "
                          f"got {args.max_prefill_tokens_per_step}")
+    # Until the server exists SIGTERM ends the process with exit 0 (nothing to drain; imports and
+    # loading included); from then on it drains.
+    stop = threading.Event()
+    server = _interruptible(lambda: _start_server(args, stop))
+    # The kernel may deliver SIGTERM to any thread; Python runs the handler on the main
+    # thread only when it wakes, so wait in short slices rather than block for good.
+    while not stop.wait(0.1):
+        if not server.engine.alive:
+            logging.getLogger("zspeed.serve").error("the engine stopped; shutting down")
+            server.stop(grace=5.0)
+            return 1
+    return 0 if server.drain() else 1
+
+
+def _start_server(args: argparse.Namespace, stop: threading.Event):
+    """Loads the model and starts the server; SIGTERM and SIGINT set ``stop`` from before the port opens."""
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s zserve %(levelname)s %(message)s")
     from .model_loader import LoadConfig, load_model
@@ -198,9 +290,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     from zspeed.core.store_config import StoreError
 
-    # Until the server exists SIGTERM simply ends the process: nothing to drain. From then on it
-    # drains; the handler is in place before the port opens.
-    stop = threading.Event()
+    check_port_free(args.host, args.port, "--port")
+    check_port_free(args.metrics_host, args.metrics_port, "--metrics-port")
     if args.engine_process:  # the model loads in the engine process (see [Note: engine process])
         from .server import create_process_server
 
@@ -228,14 +319,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         except BaseException:
             model.close()
             raise
-    # The kernel may deliver SIGTERM to any thread; Python runs the handler on the main
-    # thread only when it wakes, so wait in short slices rather than block for good.
-    while not stop.wait(0.1):
-        if not server.engine.alive:
-            logging.getLogger("zspeed.serve").error("the engine stopped; shutting down")
-            server.stop(grace=5.0)
-            return 1
-    return 0 if server.drain() else 1
+    return server
 
 
 GIL_SWITCH_S = 0.0005  # the gRPC process's GIL hand-off interval ([Note: GIL switch interval])
@@ -251,6 +335,8 @@ def freeze_startup_objects() -> None:
 
 
 def cmd_query(args: argparse.Namespace) -> int:
+    check_ranges(("--port", args.port, 1, 65535), ("--wait", args.wait, 0, _ANY),
+                 ("--max-new-tokens", args.max_new_tokens, 0, _ANY), ("--timeout", args.timeout, 0.001, _ANY))
     import grpc
 
     from .client import Client
@@ -263,9 +349,17 @@ def cmd_query(args: argparse.Namespace) -> int:
 
 
 def _query(args: argparse.Namespace, Client) -> int:
-    client = Client(f"{args.host}:{args.port}", token=args.token, tls=args.tls, root_certificates=args.tls_ca,
+    address = f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}"
+    client = Client(address, token=args.token, tls=args.tls, root_certificates=args.tls_ca,
                     server_name=args.server_name, timeout=args.timeout)
     with client:
+        if args.wait > 0:
+            why = client.wait_ready(args.wait, on_wait=lambda _: print(
+                f"zserve query: waiting up to {args.wait:g}s for the server at {address} ...", file=sys.stderr))
+            if why is not None:
+                print(f"zserve query: error: no server ready at {address} after {args.wait:g}s ({why}); start one "
+                      "with 'zserve --model ...' or wait longer with --wait SECONDS", file=sys.stderr)
+                return 1
         if args.info:
             print(client.model_info())
             return 0

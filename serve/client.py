@@ -14,14 +14,18 @@ Errors are ``grpc.RpcError`` with the server's status code and message.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ._proto import serve_pb2, serve_pb2_grpc
+
+# What a server that is still starting answers a health check with (NOT_FOUND: the service is not set yet).
+_NOT_READY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.NOT_FOUND)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +66,8 @@ class Client:
                  root_certificates: bytes | str | os.PathLike | None = None, server_name: str | None = None,
                  timeout: float | None = None, max_message_bytes: int = 4 << 20) -> None:
         options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes)]
+                   ("grpc.max_send_message_length", max_message_bytes),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]  # see a server that comes up within a second
         if server_name:
             options.append(("grpc.ssl_target_name_override", server_name))
         if tls or root_certificates is not None:
@@ -111,6 +116,34 @@ class Client:
         response = self._health.Check(health_pb2.HealthCheckRequest(service=service),
                                       timeout=self._deadline(timeout), metadata=self._metadata)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+
+    def wait_ready(self, timeout: float, *, on_wait: Callable[[str], None] | None = None) -> str | None:
+        """Waits up to ``timeout`` seconds for the server's health to be ``SERVING`` (it may still be loading).
+
+        Returns None once it is, else why not (the last error or status). ``on_wait(why)`` is called once,
+        if the first check finds it not ready. Errors other than not-yet-reachable ones are raised.
+        """
+        deadline = time.monotonic() + timeout
+        first = True
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                response = self._health.Check(health_pb2.HealthCheckRequest(), timeout=max(min(left, 1.0), 0.05),
+                                              wait_for_ready=not first)
+                why = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+                if why == "SERVING":
+                    return None
+            except grpc.RpcError as e:
+                if e.code() not in _NOT_READY_CODES:
+                    raise
+                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or first:  # keep the telling reason (refused, ...)
+                    why = f"{e.code().name}: {e.details()}"
+            if time.monotonic() >= deadline:
+                return why
+            if first and on_wait is not None:
+                on_wait(why)
+            first = False
+            time.sleep(min(0.2, max(deadline - time.monotonic(), 0.0)))
 
     def close(self) -> None:
         self._channel.close()

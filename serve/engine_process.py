@@ -85,10 +85,12 @@ class EngineProcess:
         child_conn.close()
         try:
             self.description, self.max_model_len = self._wait_ready(startup_timeout)
-        except BaseException:
+            self.tokenizer: Tokenizer = load_tokenizer(self.description.source)
+        except BaseException as err:
+            if not isinstance(err, Exception):  # interrupted (SIGTERM while loading): no reason to let it finish
+                self._process.kill()
             self._reap()
             raise
-        self.tokenizer: Tokenizer = load_tokenizer(self.description.source)
         self._receiver = threading.Thread(target=self._receive, name="zserve-engine-pipe", daemon=True)
         self._receiver.start()
 

@@ -369,15 +369,17 @@ class Scheduler:
             raise QueueFullError(f"{len(self._waiting)} requests are waiting (max_queue_size)")
 
     def cancel(self, request_id: str) -> bool:
-        """Ends a request as ``CANCELLED``; its batch slot is free at the next step.
+        """Ends a request as ``CANCELLED`` (``EXPIRED`` if its deadline has passed: the RPC's deadline cancels it
+        too); its batch slot is free at the next step.
 
         Returns False if no such request is in flight (unknown or finished).
         """
         seq_id = self._seq_of_request.get(request_id)
         if seq_id is None:
             return False
-        seq = self._live[seq_id]
-        seq.finish(SequenceStatus.CANCELLED, self.now())
+        seq, now = self._live[seq_id], self.now()
+        expired = seq.request.deadline is not None and now >= seq.request.deadline
+        seq.finish(SequenceStatus.EXPIRED if expired else SequenceStatus.CANCELLED, now)
         self._retire(seq, ())
         self._publish_queue()
         return True
