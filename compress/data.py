@@ -16,15 +16,30 @@ def read_text(path: str | os.PathLike, *, max_chars: int | None = None) -> str:
     if not p.is_file():
         raise FileNotFoundError(f"text file {p} not found")
     if p.suffix == ".jsonl":
-        parts = [json.loads(line).get("text", "") for line in p.read_text().splitlines() if line.strip()]
+        parts = [_jsonl_text(line, p, i) for i, line in enumerate(p.read_text().splitlines(), 1) if line.strip()]
     elif p.suffix == ".json":
-        parts = _json_paragraphs(json.loads(p.read_text()), p)
+        parts = _json_paragraphs(_parse(p.read_text(), p), p)
     else:
         parts = [p.read_text()]
     text = "\n\n".join(s for s in parts if s)
     if not text.strip():
         raise ValueError(f"{p} holds no text")
     return text[:max_chars] if max_chars else text
+
+
+def _parse(text: str, p: Path, line: int | None = None) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        where = f"{p}, line {line}" if line else str(p)
+        raise ValueError(f"{where} is not valid JSON ({e})") from None
+
+
+def _jsonl_text(line: str, p: Path, number: int) -> str:
+    item = _parse(line, p, number)
+    if not isinstance(item, dict):
+        raise ValueError(f'{p}, line {number}: expected a JSON object with a "text" field')
+    return item.get("text", "")
 
 
 def _json_paragraphs(data: object, p: Path) -> list[str]:

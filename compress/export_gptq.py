@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -37,11 +36,13 @@ from torch import nn
 
 from .modules import QuantLinear
 from .packing import unpack_bits
-from .storage import compressed_modules, load_compressed, read_metadata
+from .storage import compressed_modules, load_compressed, new_folder, read_metadata
 
 __all__ = ["GPTQ_FORMATS", "GPTQExportError", "export_gptq", "gptq_tensors"]
 
 GPTQ_FORMATS = ("gptq", "gptq_v2")
+TOKENIZER_FILES = ("tokenizer", "special_tokens_map", "vocab", "merges", "added_tokens", "chat_template",
+                   "generation_config")
 
 
 class GPTQExportError(ValueError):
@@ -124,23 +125,18 @@ def export_gptq(src: str | os.PathLike, out: str | os.PathLike, *, checkpoint_fo
     for key, value in model.state_dict().items():
         if key not in quantized and key not in tied:
             tensors[key] = value.detach().contiguous()
+    sequential = bool((meta.get("method") or {}).get("true_sequential", False))  # what was run (rtn: False)
     quant = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False, "sym": symmetric,
-             "true_sequential": True, "checkpoint_format": checkpoint_format,
+             "true_sequential": sequential, "checkpoint_format": checkpoint_format,
              "modules_in_block_to_quantize": None}
     config = dict(meta["hf_config"], quantization_config=quant)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with new_folder(out) as tmp:
         from safetensors.torch import save_file
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / "quantize_config.json").write_text(json.dumps({k: v for k, v in quant.items()
                                                               if k != "modules_in_block_to_quantize"}, indent=2))
-        for f in src.iterdir():  # the tokenizer, when zcompress saved one
-            if f.name.startswith(("tokenizer", "special_tokens_map", "vocab", "merges")):
+        for f in src.iterdir():  # the tokenizer (and chat template), when zcompress saved one
+            if f.is_file() and f.name.startswith(TOKENIZER_FILES):
                 shutil.copy2(f, tmp / f.name)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

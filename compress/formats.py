@@ -83,8 +83,8 @@ def check_group_size(in_features: int, group_size: int, *, name: str = "weight",
         hint = f"use group_size in {fits}" if fits else "no standard group size (32/64/128) divides it"
         raise ValueError(
             f"group_size={group_size} does not divide in_features={in_features} of {name}: {hint}, "
-            "or set pad_groups=True (the last group is short), or leave this module uncompressed "
-            "(add its name to `exclude`)"
+            "or set pad_groups=True (zcompress: --pad-groups; the last group is short), or leave this module "
+            "uncompressed (add its name to `exclude`; zcompress: --exclude)"
         )
     if in_features % 2:
         raise ValueError(f"INT4 packs two values per byte, so in_features={in_features} of {name} must be even")

@@ -4,9 +4,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from .storage import TENSOR_FILE
+from .storage import TENSOR_FILE, CompressedFormatError, corrupt_file_error
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
@@ -32,14 +32,19 @@ _ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16":
 
 def _tensor_sizes(path: Path) -> dict[str, int]:
     """Stored bytes per tensor, read from the safetensors header (no tensor is loaded)."""
+    if not path.is_file():
+        raise CompressedFormatError(f"{path} not found: the checkpoint is incomplete")
     sizes = {}
-    with safe_open(str(path), framework="pt") as f:
-        for key in f.keys():
-            sl = f.get_slice(key)
-            count = 1
-            for d in sl.get_shape():
-                count *= d
-            sizes[key] = count * _ST_BYTES[sl.get_dtype()]
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                sl = f.get_slice(key)
+                count = 1
+                for d in sl.get_shape():
+                    count *= d
+                sizes[key] = count * _ST_BYTES[sl.get_dtype()]
+    except (SafetensorError, OSError) as e:
+        raise corrupt_file_error(path, e) from None
     return sizes
 
 

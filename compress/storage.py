@@ -18,6 +18,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -117,10 +120,43 @@ def _hf_fields(model: nn.Module) -> dict:
     return {"hf_config": d, "hf_class": type(model).__name__}
 
 
+@contextmanager
+def new_folder(out: str | os.PathLike):
+    """Yield a temporary folder beside ``out`` that becomes ``out`` when the block succeeds; on failure it is
+    removed, so ``out`` appears whole or not at all. ``out`` must not exist, or be an empty folder."""
+    out = Path(out)
+    check_new_folder(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        yield tmp
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o777 & ~mask)  # mkdtemp makes it 0700; give the folder the usual permissions
+        os.replace(tmp, out)  # replaces an empty folder too
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def check_new_folder(out: str | os.PathLike, flag: str = "--out") -> None:
+    """Refuse an output path that exists as a file or a non-empty folder (nothing is overwritten)."""
+    out = Path(out)
+    if out.is_dir() and any(out.iterdir()) or out.exists() and not out.is_dir():
+        kind = "a folder that is not empty" if out.is_dir() else "a file"
+        raise FileExistsError(f"{flag} {out} is {kind}; choose a new output folder (nothing is overwritten)")
+
+
+def corrupt_file_error(path: str | os.PathLike, e: Exception) -> CompressedFormatError:
+    return CompressedFormatError(f"{path} is corrupt or truncated: {e}")
+
+
 # -- loading ------------------------------------------------------------------------------------------------------
 def read_metadata(directory: str | os.PathLike) -> dict:
     """Read and validate ``zspeed_compress.json``; raise :class:`CompressedFormatError` naming the problem."""
     path = Path(directory) / META_FILE
+    if not Path(directory).exists():
+        raise CompressedFormatError(f"{directory} does not exist")
     if not path.is_file():
         raise CompressedFormatError(f"{path} not found: {directory} was not written by zspeed save_compressed")
     try:
@@ -240,7 +276,7 @@ def _read_tensors(path: Path, device) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path), device=str(device))
     except (SafetensorError, OSError, ValueError) as e:
-        raise CompressedFormatError(f"{path} is corrupt or truncated: {e}") from None
+        raise corrupt_file_error(path, e) from None
 
 
 def _check_tensors(model: nn.Module, tensors: dict[str, torch.Tensor], meta: dict) -> None:

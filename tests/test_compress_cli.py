@@ -58,7 +58,7 @@ def test_sparsify_with_int4(tmp_path, text_file, capsys):
     (["quantize", "--model", "no/such/dir", "--out", "X"], "model 'no/such/dir' not found"),
     (["sparsify", "--model", "tiny", "--pattern", "2/4", "--out", "X"], "is not N:M"),
     (["sparsify", "--model", "tiny", "--pattern", "4:4", "--out", "X"], "MagnitudeConfig.n=4 is invalid"),
-    (["inspect", "no/such/dir"], "was not written by zspeed"),
+    (["inspect", "no/such/dir"], "no/such/dir does not exist"),
 ])
 def test_bad_inputs_exit_2_with_a_message(argv, message, capsys):
     code, _, err = _run(capsys, *argv)
