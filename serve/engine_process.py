@@ -74,6 +74,7 @@ class EngineProcess:
         self._observer = observer
         self._lock = threading.Lock()  # guards the tables below
         self._send_lock = threading.Lock()
+        self._join_lock = threading.Lock()  # one joiner at a time (see _join)
         self._handles: dict[str, RequestHandle] = {}
         self._calls: dict[int, _Call] = {}
         self._ids = itertools.count()
@@ -100,7 +101,7 @@ class EngineProcess:
         try:
             msg = self._conn.recv()
         except EOFError:
-            self._process.join(5)
+            self._join(5)
             raise RuntimeError(f"the engine process exited (code {self._process.exitcode}) while loading the "
                                "model; its log is above") from None
         if msg[0] == "failed":
@@ -170,12 +171,20 @@ class EngineProcess:
         self._reap()
 
     def _reap(self) -> None:
-        self._process.join(30)
-        if self._process.is_alive():
+        if self._join(30):
             log.warning("engine process still running after stop; killing it")
             self._process.kill()
-            self._process.join(10)
+            self._join(10)
         self._conn.close()
+
+    def _join(self, timeout: float) -> bool:
+        """Waits up to ``timeout`` s for the child to exit; whether it still runs. The pipe's receiver and
+        :meth:`stop` both wait for it. Two threads in ``Process.join`` at once race: the one whose ``waitpid``
+        loses gets ECHILD, which multiprocessing reads as "still running" until the other records the exit code,
+        and a clean stop was then reported as a hang and the exited child killed."""
+        with self._join_lock:
+            self._process.join(timeout)
+            return self._process.is_alive()
 
     # -- the pipe ----------------------------------------------------------------
     def _call(self, op: str, arg: object, *, timeout: float | None = _CONTROL_TIMEOUT_S) -> object:
@@ -215,7 +224,7 @@ class EngineProcess:
             pass
         except Exception:
             log.exception("engine pipe: unreadable message; treating the engine as gone")
-        self._process.join(5)
+        self._join(5)
         self._gone(f"the engine process exited (code {self._process.exitcode})")
 
     def _observe(self, observed: list) -> None:

@@ -7,6 +7,7 @@ import os
 import pickle
 import signal
 import threading
+import time
 
 import grpc
 import pytest
@@ -97,3 +98,30 @@ def test_a_model_that_does_not_load_raises_in_the_caller(tmp_path):
     with pytest.raises((ValueError, OSError, RuntimeError)) as info:
         create_process_server(LoadConfig(model=str(tmp_path), device="cpu", progress=False), ServerConfig(port=0))
     assert "config" in str(info.value).lower()
+
+
+def test_the_child_is_waited_for_by_one_thread_at_a_time():
+    """The pipe's receiver and ``stop`` both wait for the child. In ``Process.join`` at once, the thread whose
+    ``waitpid`` lost the race saw the exited child as running, so ``stop`` warned of a hang and killed it."""
+    from zspeed.serve.engine_process import EngineProcess
+
+    inside, most = [0], [0]
+
+    class Child:
+        def join(self, timeout):
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+            time.sleep(0.05)
+            inside[0] -= 1
+
+        def is_alive(self):
+            return False
+
+    engine = EngineProcess.__new__(EngineProcess)  # only the waiting, without a real child
+    engine._process, engine._join_lock = Child(), threading.Lock()
+    waiters = [threading.Thread(target=engine._join, args=(1.0,)) for _ in range(4)]
+    for w in waiters:
+        w.start()
+    for w in waiters:
+        w.join()
+    assert most[0] == 1
