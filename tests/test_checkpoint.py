@@ -176,6 +176,16 @@ def test_sigkill_while_saving_a_tag_again_leaves_a_loadable_tag(tmp_path, exchan
     assert folder.endswith("global_step1") and engine.global_steps == 1
 
 
+def test_a_moved_aside_tag_another_rank_moved_back_first_is_no_error(tmp_path, monkeypatch):
+    (tmp_path / ".global_step3.old-123").mkdir()
+    checkpoint_format.update_latest(tmp_path, "global_step3")
+
+    def lost_the_race(src, dst):
+        raise FileNotFoundError(src)
+    monkeypatch.setattr(checkpoint_format.os, "replace", lost_the_race)
+    assert read_latest(tmp_path) == "global_step3"
+
+
 def test_saving_a_tag_again_replaces_it_whole(tmp_path):
     staging = checkpoint_format.staging_dir(tmp_path, "t")
     for text in ("old", "new"):

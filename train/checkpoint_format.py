@@ -521,11 +521,14 @@ def _exchange(a: Path, b: Path) -> bool:
 def _restore_aside(root: Path, tag: str) -> None:
     """A replacement killed between its two renames (:func:`commit_dir` without :func:`_exchange`) left ``tag``
     missing and the old folder moved aside: move it back."""
-    if (root / tag).exists():
+    if (root / tag).exists() or not root.is_dir():
         return
-    aside = sorted(root.glob(f".{tag}.old-*"))
+    aside = sorted(p for p in root.iterdir() if p.name.startswith(f".{tag}.old-"))
     if aside:
-        os.replace(aside[-1], root / tag)
+        try:
+            os.replace(aside[-1], root / tag)
+        except FileNotFoundError:  # another rank moved it back first
+            return
         fsync_dir(root)
 
 

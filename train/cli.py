@@ -316,12 +316,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .checkpoint_format import CheckpointFormatError
     from .trainer import train
 
-    if _under_torchrun():
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker (not any process a launcher gave a RANK)
         _exit_with_launcher()
     try:
         with Topology.from_env() as topo:
             summary = train(plan, topo)
     except CheckpointFormatError as e:  # found while resuming (a file's checksum, a missing file)
+        if not plan.resume:
+            raise
         rank = os.environ.get("RANK", "0")
         print(f"ztrain: error: (rank {rank}) cannot resume: {e}. {_other_checkpoints(plan.out)}", file=sys.stderr)
         return 2
